@@ -1,0 +1,174 @@
+"""Accepted forms of the hyperparameters, their validation, and their value at each step.
+
+The forms follow the documented mindformers ``AdamW`` contract (where its implementation disagrees with
+its documentation, the documentation wins):
+
+* learning rate (``lr`` or ``learning_rate``): a float or int >= 0; a 0-d tensor (fixed); a 1-D tensor
+  or any other iterable of numbers (dynamic: global step ``t``, 0-based, uses element ``t``; past the
+  last element the last value holds); or a schedule, any callable taking the global step (int) and
+  returning a number (for example the classes of :mod:`halfadam.schedules`).
+* weight decay: a float or int >= 0, or a schedule (callable of the global step).
+* ``betas``: a pair of floats in (0.0, 1.0); ``eps``: a float > 0.
+
+Each function raises ``TypeError`` for a value of the wrong type and ``ValueError`` for one out of
+range, nan or inf, with a message that names the argument (``where``) and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["PerStepValues", "parse_lr", "parse_weight_decay", "parse_betas", "parse_eps", "value_at", "check_value"]
+
+Schedule = Callable[[int], float]
+
+
+class PerStepValues:
+    """A learning rate given per step: ``PerStepValues(values)(t) == values[min(t, len(values) - 1)]``.
+
+    Built from a 1-D tensor or an iterable of numbers passed as a learning rate. Past the last element
+    the last value holds (mindformers' dynamic learning rate reads ``values[t]`` and has no defined
+    behaviour past the end).
+    """
+
+    def __init__(self, values: Sequence[float]):
+        self.values = [float(v) for v in values]
+
+    def __call__(self, step: int) -> float:
+        return self.values[min(int(step), len(self.values) - 1)]
+
+    def __repr__(self) -> str:
+        return f"PerStepValues({len(self.values)} values)"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PerStepValues) and other.values == self.values
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_float(x: Any) -> bool:
+    return _is_number(x) and not isinstance(x, numbers.Integral)
+
+
+def check_value(value: float, where: str) -> float:
+    """``value`` as a float, checked to be finite and >= 0 (ValueError naming ``where`` otherwise)."""
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{where} must be finite, got {value}")
+    if value < 0:
+        raise ValueError(f"{where} must be >= 0, got {value}")
+    return value
+
+
+def parse_lr(value: Any, where: str = "lr") -> Tuple[float, Optional[Schedule]]:
+    """Validate a learning rate in any accepted form.
+
+    Returns:
+        ``(value at global step 0, schedule or None)``; the schedule is ``None`` for a fixed learning
+        rate.
+
+    Raises:
+        TypeError: not an int, float, tensor, iterable of numbers or callable.
+        ValueError: negative, nan or inf (any element of a sequence), a tensor of more than one
+            dimension, or an empty sequence.
+    """
+    if _is_number(value):
+        return check_value(value, where), None
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1:
+            raise ValueError(f"{where} as a tensor must have 0 or 1 dimensions, got shape {tuple(value.shape)}")
+        if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"{where} as a tensor must be of a floating or integer dtype, got {value.dtype}")
+        if value.dim() == 0:
+            return check_value(value.item(), where), None
+        return _parse_sequence(value.tolist(), where)
+    if callable(value):
+        return check_value(_call_schedule(value, 0, where), where), value
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(
+            f"{where} must be a float, an int, a tensor, an iterable of numbers or a schedule "
+            f"(a callable of the global step), got {type(value).__name__}: {value!r}"
+        )
+    return _parse_sequence(list(value), where)
+
+
+def _parse_sequence(values: list, where: str) -> Tuple[float, Schedule]:
+    if not values:
+        raise ValueError(f"{where} must not be an empty sequence")
+    for i, v in enumerate(values):
+        if not _is_number(v):
+            raise TypeError(f"{where}[{i}] must be a number, got {type(v).__name__}: {v!r}")
+        check_value(v, f"{where}[{i}]")
+    schedule = PerStepValues(values)
+    return schedule(0), schedule
+
+
+def parse_weight_decay(value: Any, where: str = "weight_decay") -> Tuple[float, Optional[Schedule]]:
+    """Validate a weight decay: a float or int >= 0, or a schedule (callable of the global step).
+
+    Returns ``(value at global step 0, schedule or None)``.
+
+    Raises:
+        TypeError: not a float, int or callable.
+        ValueError: negative, nan or inf.
+    """
+    if _is_number(value):
+        return check_value(value, where), None
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+        return check_value(value.item(), where), None
+    if callable(value):
+        return check_value(_call_schedule(value, 0, where), where), value
+    raise TypeError(f"{where} must be a float, an int or a schedule, got {type(value).__name__}: {value!r}")
+
+
+def parse_betas(betas: Any, where: str = "betas") -> Tuple[float, float]:
+    """Validate ``betas``: a pair of floats, each in the open interval (0.0, 1.0).
+
+    Raises:
+        TypeError: not a pair, or an element that is not a float.
+        ValueError: an element outside (0.0, 1.0), nan or inf.
+    """
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise TypeError(f"{where} must be a pair of floats (beta1, beta2), got {betas!r}")
+    out = []
+    for i, beta in enumerate(betas):
+        if not _is_float(beta):
+            raise TypeError(f"{where}[{i}] must be a float, got {type(beta).__name__}: {beta!r}")
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"{where}[{i}] must be in the range (0.0, 1.0), got {beta}")
+        out.append(float(beta))
+    return out[0], out[1]
+
+
+def parse_eps(eps: Any, where: str = "eps") -> float:
+    """Validate ``eps``: a float > 0 and finite.
+
+    Raises:
+        TypeError: not a float.
+        ValueError: <= 0, nan or inf.
+    """
+    if not _is_float(eps):
+        raise TypeError(f"{where} must be a float, got {type(eps).__name__}: {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{where} must be > 0 and finite, got {eps}")
+    return float(eps)
+
+
+def value_at(schedule: Schedule, step: int, where: str) -> float:
+    """The value of ``schedule`` at global step ``step``, validated (a number >= 0, finite)."""
+    return check_value(_call_schedule(schedule, step, where), where)
+
+
+def _call_schedule(schedule: Schedule, step: int, where: str) -> float:
+    value = schedule(step)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not _is_number(value):
+        raise TypeError(f"{where} schedule returned {type(value).__name__} at step {step}, expected a number")
+    return float(value)

@@ -1,0 +1,462 @@
+"""AdamW, Adam and AdamFP16 with fp32 master weights for float16/bfloat16 parameters.
+
+One engine (:class:`_AdamBase`) holds the parameter groups and the state and hands each group to an
+execution (:mod:`halfadam.executions`), which runs the single statement of the update math
+(:func:`halfadam.functional.adam_update_`). The public classes only choose defaults and how weight
+decay enters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import hyperparams
+from .executions import Hyperparameters, reference_step
+from .functional import DECAY_MODES
+
+__all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class _AdamBase(torch.optim.Optimizer):
+    """The shared engine of :class:`AdamW`, :class:`Adam` and :class:`AdamFP16`.
+
+    Per-parameter state (``optimizer.state[param]``):
+
+    * ``step``: 0-d float32 CPU tensor, steps taken by this parameter (as torch.optim.AdamW);
+    * ``exp_avg``, ``exp_avg_sq``: first and second moments, float32 (float64 for float64 parameters),
+      the parameter's shape;
+    * ``master_weight``: the float32 master copy, present when master weights are on for the parameter
+      (by default: float16 and bfloat16 parameters).
+
+    Per-group keys beyond torch's: ``lr_schedule`` and ``weight_decay_schedule`` (a callable of the
+    global step, or ``None``), ``decay``, ``optimized_update``, ``master_weights`` and ``global_step``
+    (steps taken by the optimizer; 0-based index of the next step, which schedules are evaluated at).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: Any,
+        learning_rate: Any,
+        betas: Any,
+        eps: Any,
+        weight_decay: Any,
+        decay: str,
+        optimized_update: bool,
+        master_weights: Optional[bool],
+    ):
+        if learning_rate is not None:
+            if lr is not None:
+                raise TypeError("pass the learning rate as either lr or learning_rate, not both")
+            lr, lr_name = learning_rate, "learning_rate"
+        else:
+            lr, lr_name = (1e-3 if lr is None else lr), "lr"
+        if decay not in DECAY_MODES:
+            raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
+        if master_weights is not None and not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+
+        lr_value, lr_schedule = hyperparams.parse_lr(lr, lr_name)
+        wd_value, wd_schedule = hyperparams.parse_weight_decay(weight_decay, "weight_decay")
+        defaults = dict(
+            lr=lr_value,
+            lr_schedule=lr_schedule,
+            betas=hyperparams.parse_betas(betas, "betas"),
+            eps=hyperparams.parse_eps(eps, "eps"),
+            weight_decay=wd_value,
+            weight_decay_schedule=wd_schedule,
+            decay=decay,
+            optimized_update=bool(optimized_update),
+            master_weights=master_weights,
+        )
+        groups, order_params = _split_params(params)
+        # Validate every group before anything is built; add_param_group validates again (cheaply)
+        # because it is also the public way to add a group later.
+        groups = [self._normalize_group(g, f"param_groups[{i}]") for i, g in enumerate(groups)]
+        _check_order_params(order_params, groups)
+        if order_params is not None:
+            rank = {id(p): i for i, p in enumerate(order_params)}
+            for g in groups:
+                g["params"] = sorted(g["params"], key=lambda p: rank[id(p)])
+        self._order_params: Optional[List[Tensor]] = order_params
+        super().__init__(groups, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def _normalize_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """Validate one parameter group and turn its hyperparameters into their stored form."""
+        group = dict(group)
+        if "learning_rate" in group:
+            if "lr" in group:
+                raise TypeError(f"{where} gives both 'lr' and 'learning_rate'")
+            group["lr"] = group.pop("learning_rate")
+        if "params" not in group:
+            raise ValueError(f"{where} has no 'params' key")
+        params = group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(f"{where}['params'] must be an ordered collection of tensors, not a set")
+        else:
+            params = list(params)
+        for j, p in enumerate(params):
+            _check_param(p, f"{where}['params'][{j}]")
+        group["params"] = params
+        # A group that already holds "<key>_schedule" is in stored form (normalized before).
+        if "lr" in group and "lr_schedule" not in group:
+            group["lr"], group["lr_schedule"] = hyperparams.parse_lr(group["lr"], f"{where}['lr']")
+        if "weight_decay" in group and "weight_decay_schedule" not in group:
+            group["weight_decay"], group["weight_decay_schedule"] = hyperparams.parse_weight_decay(
+                group["weight_decay"], f"{where}['weight_decay']"
+            )
+        if "betas" in group:
+            group["betas"] = hyperparams.parse_betas(group["betas"], f"{where}['betas']")
+        if "eps" in group:
+            group["eps"] = hyperparams.parse_eps(group["eps"], f"{where}['eps']")
+        return group
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group (validated first; on error nothing is added).
+
+        Its ``global_step`` starts at the optimizer's, so schedules stay aligned across groups.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = self._normalize_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        group.setdefault("global_step", max((g["global_step"] for g in self.param_groups), default=0))
+        super().add_param_group(group)
+        if self._order_params is not None and len(self.param_groups) > 1:
+            known = {id(p) for p in self._order_params}
+            self._order_params += [p for p in group["params"] if id(p) not in known]
+
+    def params_in_order(self) -> List[Tensor]:
+        """Every parameter, in the optimizer's order: ``order_params`` when given, else group by group."""
+        if self._order_params is not None:
+            return list(self._order_params)
+        return [p for g in self.param_groups for p in g["params"]]
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
+        state = self.state[param]
+        if state:
+            return state
+        compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        use_master = group["master_weights"]
+        if use_master is None:
+            use_master = param.dtype in _HALF_DTYPES
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if use_master:
+            state["master_weight"] = param.detach().to(compute_dtype, copy=True)
+        state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
+        return state
+
+    def master_weight(self, param: Tensor) -> Tensor:
+        """The fp32 tensor this optimizer updates for ``param``.
+
+        The master copy for a parameter with master weights (created from the parameter now if no step
+        has run yet), or the parameter itself for a float32 parameter without one.
+
+        Raises:
+            KeyError: ``param`` is not in this optimizer.
+            ValueError: ``param`` is float16/bfloat16 and its master weights are off (no fp32 tensor
+                exists: each step computes on a temporary copy).
+        """
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                state = self._init_state(param, group)
+                if "master_weight" in state:
+                    return state["master_weight"]
+                if param.dtype in _HALF_DTYPES:
+                    raise ValueError(f"master weights are off for this {param.dtype} parameter: it has no fp32 copy")
+                return param
+        raise KeyError("the tensor is not a parameter of this optimizer")
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None):
+        """Take one optimization step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional, as in torch).
+            grads: gradients to use instead of ``param.grad``: a mapping from parameter to gradient of
+                the parameter's shape (any floating dtype; fp32 keeps small values that fp16 flushes to
+                zero). Parameters missing from the mapping, or mapped to ``None``, are skipped, as are
+                parameters whose ``.grad`` is ``None`` when ``grads`` is not given. This is how
+                :class:`halfadam.GradScaler` hands over unscaled fp32 gradients.
+
+        Every gradient and every scheduled hyperparameter is checked before any state changes.
+
+        Raises:
+            TypeError: a sparse or non-floating gradient.
+            ValueError: a gradient whose shape differs from its parameter's; a learning rate or weight
+                decay (fixed or from a schedule) that is negative, nan or inf.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        plan = []
+        for gi, group in enumerate(self.param_groups):
+            where = f"param_groups[{gi}]"
+            lr = _resolve(group, "lr", where)
+            weight_decay = _resolve(group, "weight_decay", where)
+            pairs = []
+            for j, p in enumerate(group["params"]):
+                g = p.grad if grads is None else grads.get(p)
+                if g is None:
+                    continue
+                _check_grad(g, p, f"gradient of {where}['params'][{j}]")
+                pairs.append((p, g))
+            plan.append((group, lr, weight_decay, pairs))
+
+        for group, lr, weight_decay, pairs in plan:
+            group["lr"], group["weight_decay"] = lr, weight_decay
+            group["global_step"] += 1
+            if not pairs:
+                continue
+            for p, _ in pairs:
+                self._init_state(p, group)
+            beta1, beta2 = group["betas"]
+            hp = Hyperparameters(
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=weight_decay,
+                decay=group["decay"],
+                optimized_update=group["optimized_update"],
+            )
+            reference_step(pairs, self.state, hp)
+        return loss
+
+    def __call__(self, gradients: Sequence[Tensor]) -> Tuple[bool, ...]:
+        """Functional call (mindformers style): one step with ``gradients`` instead of ``.grad``.
+
+        Args:
+            gradients: one gradient per parameter, in :meth:`params_in_order` order (``order_params``
+                order when given), each of its parameter's shape; ``None`` skips a parameter.
+
+        Returns:
+            A tuple of ``True``, one per parameter (mindformers returns the update's success flags).
+
+        Raises:
+            ValueError: wrong number of gradients or a wrong shape (before any state changes).
+        """
+        order = self.params_in_order()
+        gradients = tuple(gradients)
+        if len(gradients) != len(order):
+            raise ValueError(f"gradients has {len(gradients)} entries, expected one per parameter ({len(order)})")
+        for i, (p, g) in enumerate(zip(order, gradients)):
+            if g is not None:
+                _check_grad(g, p, f"gradients[{i}]")
+        self.step(grads=dict(zip(order, gradients)))
+        return tuple(True for _ in order)
+
+
+def _resolve(group: Dict[str, Any], key: str, where: str) -> float:
+    """The group's value of ``key`` for its current global step, validated."""
+    schedule = group.get(f"{key}_schedule")
+    if schedule is not None:
+        return hyperparams.value_at(schedule, group["global_step"], f"{where}['{key}']")
+    value = group[key]  # a number, or a tensor set by the user or a torch lr_scheduler
+    return hyperparams.check_value(value.item() if isinstance(value, Tensor) else value, f"{where}['{key}']")
+
+
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{where} must be a tensor (a parameter) or a dict, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"{where} must be a floating-point tensor, got dtype {p.dtype}")
+    if p.is_sparse:
+        raise TypeError(f"{where} is a sparse tensor; sparse parameters are not supported")
+    if not (p.is_leaf or p.retains_grad):
+        raise ValueError(f"{where} is a non-leaf tensor; optimizers update leaf tensors only")
+
+
+def _check_grad(g: Any, p: Tensor, where: str) -> None:
+    if not isinstance(g, Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(g).__name__}")
+    if g.is_sparse:
+        raise TypeError(f"{where} is sparse; halfadam does not support sparse gradients")
+    if not g.is_floating_point():
+        raise TypeError(f"{where} must be floating point, got dtype {g.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"{where} has shape {tuple(g.shape)}, its parameter has {tuple(p.shape)}")
+
+
+def _split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tensor]]]:
+    """Turn ``params`` into a list of group dicts and the ``order_params`` list (or ``None``)."""
+    if isinstance(params, Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError(
+            f"params must be an iterable of tensors or of dicts, got {type(params).__name__}"
+        )
+    items = list(params)
+    if not items:
+        raise ValueError("params is empty: the optimizer got no parameters")
+    tensors, groups, order_params = [], [], None
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if "order_params" in item:
+                if order_params is not None:
+                    raise ValueError(f"params[{i}]: order_params given more than once")
+                order_params = list(item["order_params"])
+            else:
+                groups.append(item)
+        elif isinstance(item, Tensor):
+            tensors.append(item)
+        else:
+            raise TypeError(f"params[{i}] must be a tensor (a parameter) or a dict, got {type(item).__name__}")
+    if tensors and groups:
+        raise TypeError("params mixes tensors and dicts: give a list of parameters or a list of group dicts")
+    if tensors:
+        groups = [{"params": tensors}]
+    if not groups:
+        raise ValueError("params holds order_params but no parameter group")
+    return groups, order_params
+
+
+def _check_order_params(order: Optional[List[Any]], groups: List[Dict[str, Any]]) -> None:
+    """``order_params`` must hold exactly the groups' parameters, each once."""
+    if order is None:
+        return
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    seen = set()
+    for i, p in enumerate(order):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"order_params[{i}] must be a tensor, got {type(p).__name__}")
+        if id(p) in seen:
+            raise ValueError(f"order_params[{i}] (shape {tuple(p.shape)}) appears more than once")
+        if id(p) not in in_groups:
+            raise ValueError(f"order_params[{i}] (shape {tuple(p.shape)}) is in no parameter group")
+        seen.add(id(p))
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            if id(p) not in seen:
+                raise ValueError(f"param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)}) is missing from order_params")
+
+
+class AdamW(_AdamBase):
+    r"""AdamW with fp32 master weights for float16/bfloat16 parameters.
+
+    A drop-in :class:`torch.optim.Optimizer`. For every fp16/bf16 parameter it keeps an fp32 master
+    copy and fp32 moments, applies the update in fp32 and writes the rounded result back into the
+    parameter in place (its storage, ``data_ptr()``, tied weights and views are kept). float32
+    parameters are updated in place with no copy. The math (Loshchilov & Hutter 2019, Algorithm 2;
+    identical to ``torch.optim.AdamW`` and mindformers ``AdamW``), at step ``t`` (1-based):
+
+    .. math::
+        w &\leftarrow w (1 - \text{lr}\cdot\text{wd}) \\
+        m &\leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        w &\leftarrow w - \frac{\text{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    Args:
+        params: an iterable of parameters (floating-point leaf tensors) or of dicts (parameter groups
+            with ``params`` and optionally ``lr``/``learning_rate``, ``betas``, ``eps``,
+            ``weight_decay``, ``master_weights``); one dict may instead hold ``order_params``, the
+            parameters in the order the optimizer stores and iterates them (exactly the groups'
+            parameters, each once); its other keys are ignored.
+        lr: learning rate (default 1e-3): a float or int >= 0, a 0-d tensor, a 1-D tensor or
+            iterable of numbers (global step ``t`` uses element ``t``; past the end the last value
+            holds), or a schedule (a callable of the global step, such as
+            :class:`halfadam.schedules.CosineWithWarmUpLR`). The value used at each step is written
+            into ``group["lr"]``. Works with ``torch.optim.lr_scheduler`` when a number.
+        betas: ``(beta1, beta2)``, floats in (0.0, 1.0).
+        eps: float > 0, added to the denominator.
+        weight_decay: decoupled weight decay (default 0.0, as mindformers; torch's default is 0.01):
+            a float or int >= 0, or a schedule of the global step.
+        learning_rate: the same as ``lr`` (mindformers' name); giving both is a TypeError.
+        master_weights: ``None`` (default): on for float16/bfloat16 parameters, off for float32;
+            ``True``/``False`` force it.
+
+    Raises:
+        TypeError: a wrong type for ``params`` or an element of it (not a floating tensor nor a
+            dict), ``lr`` (not a number, tensor, iterable or callable), ``betas`` or ``eps`` (not
+            floats), ``weight_decay`` (not a number or callable); both ``lr`` and ``learning_rate``.
+        ValueError: ``params`` empty; lr or weight_decay negative; a beta outside (0.0, 1.0);
+            eps <= 0; nan or inf in any of them; a tensor lr of more than one dimension; bad
+            ``order_params``.
+    """
+
+    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 learning_rate=None, master_weights: Optional[bool] = None):
+        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
+                         weight_decay=weight_decay, decay="decoupled", optimized_update=False,
+                         master_weights=master_weights)
+
+
+class Adam(_AdamBase):
+    r"""Adam with L2 weight decay and fp32 master weights for float16/bfloat16 parameters.
+
+    As :class:`AdamW` except that weight decay is added to the gradient, ``g <- g + wd * w``, before
+    the moments (the behaviour of ``torch.optim.Adam``; Kingma & Ba 2015, Algorithm 1, plus L2).
+    Arguments, defaults and errors are those of :class:`AdamW`.
+    """
+
+    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 learning_rate=None, master_weights: Optional[bool] = None):
+        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
+                         weight_decay=weight_decay, decay="l2", optimized_update=False,
+                         master_weights=master_weights)
+
+
+class WeightDecay:
+    """How :class:`AdamFP16` applies weight decay (labml's ``WeightDecay`` interface).
+
+    Args:
+        weight_decay: the coefficient ``wd`` >= 0.
+        weight_decouple: decay the weight directly (``True``) instead of adding ``wd * w`` to the
+            gradient (L2, ``False``).
+        absolute: with ``weight_decouple``, decay by ``w <- w * (1 - wd)`` instead of
+            ``w <- w * (1 - lr * wd)``. Ignored without ``weight_decouple``.
+
+    Raises:
+        TypeError/ValueError: ``weight_decay`` not a number >= 0 (see :mod:`halfadam.hyperparams`).
+    """
+
+    def __init__(self, weight_decay: float = 0.0, weight_decouple: bool = True, absolute: bool = False):
+        hyperparams.parse_weight_decay(weight_decay, "weight_decay")
+        self.weight_decay = weight_decay
+        self.weight_decouple = bool(weight_decouple)
+        self.absolute = bool(absolute)
+
+    @property
+    def decay(self) -> str:
+        """The :data:`halfadam.functional.DECAY_MODES` entry this configuration means."""
+        if not self.weight_decouple:
+            return "l2"
+        return "absolute" if self.absolute else "decoupled"
+
+    def __repr__(self) -> str:
+        return (f"WeightDecay(weight_decay={self.weight_decay}, weight_decouple={self.weight_decouple}, "
+                f"absolute={self.absolute})")
+
+
+class AdamFP16(_AdamBase):
+    r"""labml's half-precision Adam interface, on halfadam's engine.
+
+    ``AdamFP16(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-16, weight_decay=WeightDecay(),
+    optimized_update=True)``: fp32 master weights and moments for fp16/bf16 parameters, weight decay
+    as configured by :class:`WeightDecay`. With ``optimized_update`` (the default) ``eps`` is added
+    before bias-correcting the second moment:
+    ``w <- w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``; without it, the
+    :class:`AdamW` form ``w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+
+    Unlike labml's, parameters are written in place (``param.data`` is never rebound) and
+    ``load_state_dict`` keeps the fp32 state in fp32. Other arguments and errors as :class:`AdamW`.
+    """
+
+    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-16,
+                 weight_decay: WeightDecay = WeightDecay(), optimized_update: bool = True, *,
+                 learning_rate=None, master_weights: Optional[bool] = None):
+        if not isinstance(weight_decay, WeightDecay):
+            raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
+        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
+                         weight_decay=weight_decay.weight_decay, decay=weight_decay.decay,
+                         optimized_update=optimized_update, master_weights=master_weights)

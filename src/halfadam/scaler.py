@@ -1,0 +1,315 @@
+"""Dynamic loss scaling for float16 training, on CPU and CUDA.
+
+:class:`GradScaler` has the surface of ``torch.amp.GradScaler`` (Micikevicius et al., "Mixed Precision
+Training", ICLR 2018, section 3.2: scale the loss so small gradients survive float16, unscale before
+the update, skip steps whose gradients overflowed and lower the scale; raise it after
+``growth_interval`` clean steps). The difference is the hand-over to halfadam optimizers: gradients
+are unscaled into float32 tensors that the optimizer consumes directly (``optimizer.step(grads=...)``),
+so a gradient that is 1e-8 after unscaling survives instead of flushing to zero in float16. For any
+other optimizer it unscales ``param.grad`` in place, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .optimizer import _AdamBase
+
+__all__ = ["GradScaler"]
+
+_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+
+def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    """Multiply ``tensors`` by ``inv_scale`` in place; set ``found_inf`` to 1.0 if any holds inf/nan.
+
+    ``found_inf`` and ``inv_scale`` are 1-element float32 tensors on one device. Uses torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale_`` (the op behind torch.amp.GradScaler) when present,
+    per (device, dtype) group; otherwise plain public ops. This is the only private torch op used here.
+    """
+    groups: Dict[Any, List[Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    for (device, _), ts in groups.items():
+        local_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        local_inv = inv_scale.to(device)
+        if fused is not None:
+            fused(ts, local_inf, local_inv)
+        else:
+            for t in ts:
+                t.mul_(local_inv.to(t.dtype))
+                local_inf = torch.maximum(local_inf, (~torch.isfinite(t)).any().float())
+        found_inf.copy_(torch.maximum(found_inf, local_inf.to(found_inf.device)))
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 (and bfloat16) training, on CPU and CUDA.
+
+    Usage, as ``torch.amp.GradScaler``::
+
+        scaler = halfadam.GradScaler()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)                     # optional, e.g. before clipping
+        scaler.clip_grad_norm_(optimizer, 1.0)         # optional, on the unscaled fp32 gradients
+        scaler.step(optimizer)                         # skipped if any gradient is inf/nan
+        scaler.update()
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or a ``torch.device`` for the scale tensor; ``None`` (default)
+            takes the device of the first tensor passed to :meth:`scale`.
+        init_scale: initial loss scale (> 0, finite). Default ``2**16``.
+        growth_factor: factor (> 1) applied after ``growth_interval`` consecutive clean steps.
+        backoff_factor: factor in (0, 1) applied after a step with inf/nan gradients.
+        growth_interval: clean steps (int > 0) between growths.
+        enabled: ``False`` makes every method a pass-through (``scale`` returns its input, ``step``
+            calls ``optimizer.step()``).
+
+    With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
+    writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
+    (float32 gradients) and :meth:`step` passes them as ``optimizer.step(grads=...)``; ``param.grad``
+    of a float16 parameter keeps its scaled value. If any gradient holds inf or nan, :meth:`step`
+    does not call the optimizer: parameters, master weights, moments and step counts stay bit-for-bit
+    unchanged, and :meth:`update` multiplies the scale by ``backoff_factor``.
+
+    Raises:
+        ValueError: an argument out of range (named in the message).
+        RuntimeError: the call sequence is broken (``unscale_`` twice, ``step`` twice without
+            ``update``, ``update`` without any step's inf check).
+    """
+
+    def __init__(
+        self,
+        device: Any = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ):
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0 and math.isfinite(growth_factor)):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
+        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not (isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval > 0):
+            raise ValueError(f"growth_interval must be an int > 0, got {growth_interval!r}")
+        self._device = None if device is None else torch.device(device)
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = growth_interval
+        self._enabled = bool(enabled)
+        self._scale: Optional[Tensor] = None
+        self._growth_tracker: Optional[Tensor] = None
+        self._init_growth_tracker = 0
+        self._per_optimizer: Dict[int, Dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ scale
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _lazy_init(self, device: torch.device) -> None:
+        if self._scale is None:
+            device = self._device or device
+            self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=device)
+            self._growth_tracker = torch.full((1,), self._init_growth_tracker, dtype=torch.int32, device=device)
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor, or a list/tuple of them, nested) by the loss scale.
+
+        The product keeps each output's dtype. Returns ``outputs`` unchanged when disabled.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            self._lazy_init(outputs.device)
+            return outputs * self._scale.to(device=outputs.device)
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
+
+    def get_scale(self) -> float:
+        """The current loss scale as a Python float (1.0 when disabled; ``init_scale`` before use)."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else self._scale.item()
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    # ------------------------------------------------------------------ unscale / step
+    def _opt_state(self, optimizer: Any) -> Dict[str, Any]:
+        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None, "grads": None})
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale and record whether any is inf/nan.
+
+        For a halfadam optimizer the unscaled float32 gradients are kept for :meth:`step`; for any
+        other optimizer ``param.grad`` is unscaled in place (float16 gradients raise ValueError, as
+        torch's scaler does: they would flush to zero; use a halfadam optimizer).
+        """
+        if not self._enabled:
+            return
+        st = self._opt_state(optimizer)
+        if st["stage"] is _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if st["stage"] is _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        if self._scale is None:
+            raise RuntimeError("unscale_() called before scale(): no loss scale exists yet.")
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if isinstance(optimizer, _AdamBase):
+            grads = {p: p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float() for p in params}
+            _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
+            st["grads"] = grads
+        else:
+            for p in params:
+                if p.grad.dtype == torch.float16:
+                    raise ValueError(
+                        "Attempting to unscale float16 gradients in place; they would flush to zero. "
+                        "Use a halfadam optimizer, which takes unscaled float32 gradients."
+                    )
+            _unscale_and_check_([p.grad for p in params], inv_scale, found_inf)
+        st["found_inf"] = found_inf
+        st["stage"] = _UNSCALED
+
+    def _grads(self, optimizer: Any) -> List[Tensor]:
+        st = self._opt_state(optimizer)
+        if st["grads"] is not None:
+            return list(st["grads"].values())
+        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the unscaled gradients of ``optimizer`` to a total norm of at most ``max_norm``.
+
+        Calls :meth:`unscale_` first if needed. The norm is computed in float32 over the gradients the
+        optimizer will use (for halfadam optimizers the unscaled float32 ones, which
+        ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see). Returns the total
+        norm before clipping (inf/nan if a gradient overflowed; that step is skipped anyway).
+        """
+        if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
+            self.unscale_(optimizer)
+        grads = self._grads(optimizer)
+        if not grads:
+            return torch.zeros(())
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (if not done yet) and call ``optimizer.step`` unless a gradient is inf/nan.
+
+        Returns what ``optimizer.step`` returned, or ``None`` if the step was skipped.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        st = self._opt_state(optimizer)
+        if st["stage"] is _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if st["stage"] is _READY:
+            self.unscale_(optimizer)
+        result = None
+        if st["found_inf"].item() == 0.0:
+            if st["grads"] is not None:
+                result = optimizer.step(*args, grads=st["grads"], **kwargs)
+            else:
+                result = optimizer.step(*args, **kwargs)
+        st["grads"] = None
+        st["stage"] = _STEPPED
+        return result
+
+    def update(self, new_scale: Optional[float] = None) -> None:
+        """Set the next loss scale: back off after an inf/nan, grow after ``growth_interval`` clean steps.
+
+        Args:
+            new_scale: use this scale instead (a float or a 1-element tensor); the growth tracker is
+                left as is.
+        """
+        if not self._enabled:
+            return
+        if self._scale is None:
+            raise RuntimeError("update() called before scale(): no loss scale exists yet.")
+        if new_scale is not None:
+            value = new_scale.item() if isinstance(new_scale, Tensor) else float(new_scale)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
+            self._scale.fill_(value)
+        else:
+            found = [st["found_inf"] for st in self._per_optimizer.values() if st["found_inf"] is not None]
+            if not found:
+                raise RuntimeError("No inf checks were recorded prior to update().")
+            found_inf = torch.stack([f.to(self._scale.device) for f in found]).sum() > 0
+            tracker = torch.where(found_inf, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+            grow = tracker >= self._growth_interval
+            grown = self._scale * self._growth_factor
+            grown = torch.where(torch.isfinite(grown), grown, self._scale)
+            self._scale.copy_(torch.where(found_inf, self._scale * self._backoff_factor,
+                                          torch.where(grow, grown, self._scale)))
+            self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
+        self._per_optimizer.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``.
+
+        The keys of ``torch.amp.GradScaler.state_dict()``, so either scaler loads the other's.
+        Empty when disabled.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": 0 if self._growth_tracker is None else int(self._growth_tracker.item()),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` (or from ``torch.amp.GradScaler``); checked first.
+
+        Raises:
+            RuntimeError: loading a non-empty state into a disabled scaler, or an empty one.
+            KeyError / ValueError: a missing key or a value out of range (nothing is changed).
+        """
+        if not self._enabled:
+            if state_dict:
+                raise RuntimeError("The source state dict is not empty, but this GradScaler is disabled.")
+            return
+        if not state_dict:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state_dict is missing {missing}")
+        check = GradScaler(init_scale=float(state_dict["scale"]), growth_factor=state_dict["growth_factor"],
+                           backoff_factor=state_dict["backoff_factor"],
+                           growth_interval=int(state_dict["growth_interval"]))
+        self._init_scale = check._init_scale
+        self._growth_factor = check._growth_factor
+        self._backoff_factor = check._backoff_factor
+        self._growth_interval = check._growth_interval
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
