@@ -4,8 +4,9 @@ Public API: :class:`AdamW`, :class:`Adam`, :class:`AdamFP16`, :class:`WeightDeca
 :class:`GradScaler`, and the learning-rate schedules in :mod:`halfadam.schedules`.
 """
 
+from . import schedules
 from .optimizer import Adam, AdamFP16, AdamW, WeightDecay
 from .scaler import GradScaler
 
-__all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay", "GradScaler"]
+__all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay", "GradScaler", "schedules"]
 __version__ = "0.1.0"

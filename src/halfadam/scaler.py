@@ -282,7 +282,7 @@ class GradScaler:
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
-            "_growth_tracker": 0 if self._growth_tracker is None else int(self._growth_tracker.item()),
+            "_growth_tracker": self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item()),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

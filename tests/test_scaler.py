@@ -1,0 +1,186 @@
+"""halfadam.GradScaler on CPU: skip on inf/nan, backoff and growth, fp32 hand-over, torch interop."""
+
+import copy
+
+import pytest
+import torch
+
+import halfadam
+
+
+def _snapshot(opt, params):
+    return copy.deepcopy(([p.detach().clone() for p in params], opt.state_dict()))
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert sa["param_groups"] == sb["param_groups"]
+    for k in sa["state"]:
+        for name, t in sa["state"][k].items():
+            assert torch.equal(t, sb["state"][k][name]), name
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_skip_leaves_everything_bitwise(bad):
+    w = torch.nn.Parameter(torch.randn(4, 3).half())
+    b = torch.nn.Parameter(torch.randn(3).half())
+    opt = halfadam.AdamW([w, b], lr=1e-2, weight_decay=0.1)
+    scaler = halfadam.GradScaler(init_scale=1024.0, growth_interval=3)
+    x = torch.randn(5, 4)
+
+    def loss_fn():
+        return ((x @ w.float() + b.float()) ** 2).mean()
+
+    for _ in range(2):  # some state first
+        opt.zero_grad()
+        scaler.scale(loss_fn()).backward()
+        scaler.step(opt)
+        scaler.update()
+    before = _snapshot(opt, [w, b])
+    scale_before = scaler.get_scale()
+
+    opt.zero_grad()
+    scaler.scale(loss_fn()).backward()
+    w.grad[1, 2] = bad
+    assert scaler.step(opt) is None
+    scaler.update()
+    _same(before, _snapshot(opt, [w, b]))
+    assert scaler.get_scale() == scale_before * 0.5
+
+
+def test_backoff_and_growth():
+    p = torch.nn.Parameter(torch.ones(2).half())
+    opt = halfadam.AdamW([p], lr=1e-3)
+    scaler = halfadam.GradScaler(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)
+    scales = []
+    for grad in [1.0, 1.0, 1.0, float("inf"), 1.0, 1.0]:
+        scaler.scale(torch.ones(()))  # creates the scale on CPU
+        p.grad = torch.full((2,), grad).half()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    # 2 clean steps -> x4; inf -> x0.25 and the tracker resets
+    assert scales == [8.0, 32.0, 32.0, 8.0, 8.0, 32.0]
+    assert opt.state[p]["step"].item() == 5
+
+
+def test_small_gradients_survive_unscaling():
+    """A gradient of 1e-8 is zero in fp16; scaled by 2**16 it is representable, and the optimizer
+    receives the unscaled fp32 value rather than an fp16 one."""
+    p = torch.nn.Parameter(torch.zeros(4).half())
+    opt = halfadam.AdamW([p], lr=1e-3, eps=1e-14)  # eps well below |g|
+    scaler = halfadam.GradScaler(init_scale=2.0**16)
+    assert torch.tensor(1e-8).half().item() == 0.0
+    target = torch.full((4,), 1e-8)
+    loss = (p.float() * target).sum()
+    scaler.scale(loss).backward()
+    assert p.grad.dtype == torch.float16 and p.grad.abs().min() > 0  # scaled, so it survived fp16
+    scaler.unscale_(opt)
+    assert torch.equal(p.grad, (target * 2**16).half())  # .grad of a half param keeps its scaled value
+    scaler.step(opt)
+    scaler.update()
+    # Adam's first step moves by lr * g / (|g| + eps) = lr: a zero gradient would not move at all
+    assert opt.master_weight(p) == pytest.approx(torch.full((4,), -1e-3), rel=1e-5)
+    assert opt.state[p]["exp_avg"][0].item() == pytest.approx(0.1 * 1e-8, rel=1e-3)
+
+
+def test_clip_grad_norm_on_unscaled_fp32_grads():
+    p = torch.nn.Parameter(torch.zeros(2).half())
+    opt = halfadam.AdamW([p], lr=1.0)
+    scaler = halfadam.GradScaler(init_scale=4.0)
+    loss = (p.float() * torch.tensor([3.0, 4.0])).sum()
+    scaler.scale(loss).backward()
+    norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)
+    scaler.step(opt)
+    assert opt.state[p]["exp_avg"] == pytest.approx(torch.tensor([0.06, 0.08]), rel=1e-4)
+
+
+def test_other_optimizers_unscale_in_place():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = halfadam.GradScaler(init_scale=16.0)
+    scaler.scale((p * 2).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.zeros(3))  # 1 - 0.5 * 2
+
+    h = torch.nn.Parameter(torch.ones(3).half())
+    opt16 = torch.optim.SGD([h], lr=0.5)
+    scaler.scale((h.float() * 2).sum()).backward()
+    with pytest.raises(ValueError, match="float16"):
+        scaler.step(opt16)
+
+
+def test_call_order_errors_and_disabled():
+    p = torch.nn.Parameter(torch.ones(2).half())
+    opt = halfadam.AdamW([p])
+    scaler = halfadam.GradScaler()
+    scaler.scale((p.float()).sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="step"):
+        scaler.step(opt)
+    scaler.update()
+
+    off = halfadam.GradScaler(enabled=False)
+    loss = torch.ones(())
+    assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.state_dict() == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(init_scale=0.0), "init_scale"), (dict(growth_factor=1.0), "growth_factor"),
+     (dict(backoff_factor=1.5), "backoff_factor"), (dict(growth_interval=0), "growth_interval")],
+)
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        halfadam.GradScaler(**kwargs)
+
+
+def test_state_dict_round_trip_and_torch_interop():
+    scaler = halfadam.GradScaler(init_scale=256.0, growth_interval=5)
+    p = torch.nn.Parameter(torch.ones(1).half())
+    opt = halfadam.AdamW([p])
+    for _ in range(3):
+        scaler.scale(p.float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    sd = scaler.state_dict()
+    assert sd == {"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
+                  "_growth_tracker": 3}
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(sd)
+    assert torch_scaler.state_dict() == sd
+    fresh = halfadam.GradScaler()
+    fresh.load_state_dict(torch_scaler.state_dict())
+    assert fresh.state_dict() == sd
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        fresh.load_state_dict({"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5})
+    assert fresh.state_dict() == sd
+
+
+def test_fp16_training_with_scaler_matches_fp32_reference():
+    """A small regression trained in fp16 with halfadam+GradScaler tracks the fp32 run."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    w32 = torch.nn.Parameter(torch.randn(8, 1) * 0.1)
+    w16 = torch.nn.Parameter(w32.detach().half())
+    with torch.no_grad():
+        w32.copy_(w16.float())
+    ref = torch.optim.AdamW([w32], lr=1e-3, weight_decay=0.0)
+    opt = halfadam.AdamW([w16], lr=1e-3)
+    scaler = halfadam.GradScaler()
+    for _ in range(200):
+        ref.zero_grad()
+        ((x @ w32 - y) ** 2).mean().backward()
+        ref.step()
+        opt.zero_grad()
+        scaler.scale(((x @ w16.float() - y) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    rel = ((opt.master_weight(w16) - w32.detach()).norm() / w32.detach().norm()).item()
+    assert rel < 1e-3
