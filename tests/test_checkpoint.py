@@ -577,3 +577,51 @@ def test_scaler_state_round_trip_and_atomic():
     assert other.state_dict() == before
     other.load_state_dict(roundtrip(sd))
     assert other.state_dict() == sd
+
+
+def test_halfadam_schedules_round_trip_with_weights_only():
+    schedules = pytest.importorskip("halfadam.schedules")  # not on every branch yet
+    cosine = schedules.CosineWithWarmUpLR(learning_rate=1e-2, warmup_steps=2, total_steps=10, lr_end=0.0)
+    model, opt = make(torch.float16, lr=cosine)
+    train(model, opt, 3)
+    sd = roundtrip(opt.state_dict())
+    model2, opt2 = make(torch.float16, lr=1e-3)  # no schedule: restored from the checkpoint
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(sd)
+    restored = opt2.param_groups[0]["lr_schedule"]
+    assert type(restored) is type(cosine) and restored is not cosine
+    assert [restored(t) for t in range(12)] == [cosine(t) for t in range(12)]
+    train(model, opt, 4, start=3)
+    train(model2, opt2, 4, start=3)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+
+
+def test_checkpoint_of_another_optimizer_class_warns_about_the_update_rule():
+    model, opt = make(torch.float16, cls=halfadam.AdamW)
+    train(model, opt, 1)
+    model2, opt2 = make(torch.float16, cls=halfadam.Adam)
+    with pytest.warns(UserWarning, match="decay='decoupled' replaces this optimizer's 'l2'"):
+        opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["decay"] == "decoupled"  # hyperparameters come from the checkpoint, as in torch
+
+
+def test_non_plain_entries_need_weights_only_false(tmp_path):
+    from fractions import Fraction
+
+    path = checkpoint.save_checkpoint(tmp_path / "c.pt", extra=Fraction(1, 3), step=4)
+    with pytest.raises(CheckpointError, match="weights_only=False"):
+        checkpoint.load_checkpoint(path)
+    assert checkpoint.load_checkpoint(path, weights_only=False)["extra"] == Fraction(1, 3)
+    # An object torch.save cannot pickle: the error comes out, the old file stays, no temporary is left.
+    with pytest.raises(Exception):
+        checkpoint.save_checkpoint(path, schedule=lambda step: 1.0)
+    assert checkpoint.load_checkpoint(path, weights_only=False)["step"] == 4
+    assert [f.name for f in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_load_master_state_dict_leaves_fp32_parameters_without_state():
+    model, opt = make(torch.float32)
+    exported = opt.master_state_dict(model)
+    model2, opt2 = make(torch.float32, seed=2)
+    checkpoint.load_master_state_dict(model2, exported, opt2)
+    assert not opt2.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))

@@ -394,6 +394,14 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
                     f"param_groups[{gi}]: the checkpoint decays weights {'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
                     f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
                 )
+    else:
+        for gi, (current, new) in enumerate(zip(groups, new_groups)):
+            for key in ("decay", "optimized_update"):
+                if key in current and current[key] != new[key]:
+                    plan.warnings.append(
+                        f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
+                        f"{current[key]!r} (it was written by another halfadam optimizer class?)"
+                    )
     rebuilt = []
     steps_per_group: Dict[int, List[float]] = {}
     for pid, (p, gi, j, index) in slots.items():
@@ -715,7 +723,12 @@ def load_master_state_dict(
             value = source[key]
             target.copy_(value)
             group = group_of.get(id(target))
-            if group is not None:
+            if group is None:
+                continue
+            use_master = group["master_weights"]
+            if use_master is None:
+                use_master = target.dtype in _HALF_DTYPES
+            if use_master or optimizer.state.get(target):  # type: ignore[union-attr]
                 state = optimizer._init_state(target, group)  # type: ignore[union-attr]
                 if "master_weight" in state:
                     state["master_weight"].copy_(value)
@@ -736,8 +749,7 @@ def _digest(obj: Any) -> str:
             t = x.detach().to("cpu").contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                         if t.dtype != torch.bool else t.numpy().tobytes())
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
         elif isinstance(x, Mapping):
             h.update(f"D{len(x)}".encode())
             for k, v in x.items():
@@ -757,11 +769,7 @@ def _digest(obj: Any) -> str:
 
 
 def _state_of(obj: Any) -> Any:
-    if _is_halfadam(obj):
-        return obj.state_dict()
-    if callable(getattr(obj, "state_dict", None)):
-        return obj.state_dict()
-    return obj
+    return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
 
 
 def save_checkpoint(path: PathLike, **objects: Any) -> Path:
@@ -780,7 +788,9 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
         ``path`` as a :class:`~pathlib.Path`. Creates missing parent directories.
 
     Raises:
-        TypeError: no objects, or an object that ``torch.save`` cannot pickle (the old file stays).
+        TypeError: no objects.
+        pickle.PicklingError, AttributeError...: an object that ``torch.save`` cannot pickle (the old
+            file stays; the temporary file is removed).
         OSError: the file cannot be written (the old file stays; the temporary file is removed).
     """
     if not objects:
@@ -953,10 +963,12 @@ def load_checkpoint(
     except Exception as exc:
         text = _first_line(exc)
         if weights_only and "weights_only" in str(exc):
-            text += " (the file holds Python objects other than plain data; pass weights_only=False if you trust it)"
+            hint = "it holds Python objects other than plain data; pass weights_only=False if you trust the file"
         elif "CUDA" in str(exc) or "device" in str(exc):
-            text += " (pass map_location='cpu')"
-        raise CheckpointError(f"{path} cannot be read (truncated or corrupt?): {text}") from None
+            hint = "it was saved on a device this machine lacks; pass map_location='cpu'"
+        else:
+            hint = "truncated or corrupt?"
+        raise CheckpointError(f"{path} cannot be read ({hint}): {text}") from None
     if not isinstance(payload, Mapping) or payload.get("format") != _FORMAT:
         raise CheckpointError(f"{path} is not a halfadam checkpoint (written by save_checkpoint)")
     if payload.get("version") != _FORMAT_VERSION:
