@@ -300,7 +300,9 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
     """The group after loading: the checkpoint's hyperparameters over the current group's, validated."""
     where = f"param_groups[{gi}]"
     new = {k: v for k, v in current.items() if k != "params"}
-    saved = {k: v for k, v in saved.items() if k != "params"}
+    # master_weights is structure (which parameters own an fp32 copy, how state is laid out), not a
+    # hyperparameter: the loading optimizer's setting stays, and the state must fit it.
+    saved = {k: v for k, v in saved.items() if k not in ("params", "master_weights")}
     if kind == "torch":
         if saved.get("amsgrad"):
             raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam does not implement")
@@ -318,8 +320,6 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
             raise CheckpointError(f"{where}['decay'] must be one of {DECAY_MODES}, got {new.get('decay')!r}")
         if not isinstance(new.get("optimized_update"), bool):
             raise CheckpointError(f"{where}['optimized_update'] must be a bool, got {new.get('optimized_update')!r}")
-        if new.get("master_weights") is not None and not isinstance(new.get("master_weights"), bool):
-            raise CheckpointError(f"{where}['master_weights'] must be None, True or False, got {new['master_weights']!r}")
         gs = new.get("global_step")
         if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 0:
             raise CheckpointError(f"{where}['global_step'] must be an int >= 0, got {gs!r}")
@@ -498,14 +498,7 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         optimizer.state.pop(p, None)
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
-        old = optimizer.state.get(p)
-        if old:
-            use_master = group["master_weights"]
-            if use_master is None:
-                use_master = p.dtype in _HALF_DTYPES
-            if ("master_weight" in old) != bool(use_master):  # the master configuration changed
-                optimizer.state.pop(p)
-        state = optimizer._init_state(p, group)
+        state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
         for name, value in load.values.items():
             state[name].copy_(value)
         if load.rebuild_master:
@@ -521,9 +514,13 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
 def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
     """Load a halfadam or ``torch.optim.Adam``/``AdamW`` state_dict into a halfadam optimizer, atomically.
 
-    From a halfadam state_dict: every hyperparameter, ``global_step`` and schedule, and per parameter
-    ``step``, ``exp_avg``, ``exp_avg_sq`` and ``master_weight`` (copied into the optimizer's tensors,
-    which keep their dtype: float32, or float64 for float64 parameters; moved to the parameter's device).
+    From a halfadam state_dict: every hyperparameter (as torch: the checkpoint's values replace the
+    optimizer's), ``global_step`` and schedule, and per parameter ``step``, ``exp_avg``, ``exp_avg_sq``
+    and ``master_weight`` (copied into the optimizer's tensors, which keep their dtype: float32, or
+    float64 for float64 parameters; moved to the parameter's device). ``master_weights`` is not
+    loaded: it is structure (which parameters own an fp32 copy), and the checkpoint must fit the
+    loading optimizer's (a saved master for a parameter without one is an error; a parameter whose
+    master is missing from the checkpoint gets it rebuilt from its value, with a warning).
     From a torch one: ``lr``, ``betas``, ``eps``, ``weight_decay`` and the steps and moments (upcast to
     float32, exactly); halfadam's own group keys (schedules, ``decay``...) stay as they are, each group's
     ``global_step`` becomes its parameters' largest step, and master weights are rebuilt from the
