@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -542,6 +541,8 @@ def test_checkpoint_of_another_model_or_dtype_is_rejected_atomically(tmp_path):
         checkpoint.load_checkpoint(path, model=model4, ema=torch.nn.Linear(2, 2))
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         checkpoint.load_checkpoint(tmp_path / "missing.pt", model=model4)
+    with pytest.raises(CheckpointError, match="meta"):
+        checkpoint.load_checkpoint(path, map_location="meta", model=model4, optimizer=opt4)
     check()
 
 

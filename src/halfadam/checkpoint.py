@@ -305,9 +305,11 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
     saved = {k: v for k, v in saved.items() if k not in ("params", "master_weights")}
     if kind == "torch":
         if saved.get("amsgrad"):
-            raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam does not implement")
+            raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam "
+                                  f"does not implement")
         if saved.get("maximize"):
-            raise CheckpointError(f"{where}: the checkpoint was written with maximize=True, which halfadam does not implement")
+            raise CheckpointError(f"{where}: the checkpoint was written with maximize=True, which halfadam "
+                                  f"does not implement")
         for key in _TORCH_ONLY_GROUP_KEYS:
             saved.pop(key, None)
     else:
@@ -374,7 +376,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             )
         for j, (pid, p) in enumerate(zip(ids, group["params"])):
             if pid in slots:
-                raise CheckpointError(f"param_groups[{gi}]['params'][{j}]: index {pid!r} appears twice in the checkpoint")
+                raise CheckpointError(f"param_groups[{gi}]['params'][{j}]: index {pid!r} appears twice in the "
+                                      f"checkpoint")
             slots[pid] = (p, gi, j, index)
             index += 1
     stray = [k for k in saved_state if k not in slots]
@@ -391,7 +394,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             wd = wd.item() if isinstance(wd, Tensor) else wd
             if dwd is not None and wd and bool(dwd) != (new_groups[gi]["decay"] == "decoupled"):
                 plan.warnings.append(
-                    f"param_groups[{gi}]: the checkpoint decays weights {'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
+                    f"param_groups[{gi}]: the checkpoint decays weights "
+                    f"{'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
                     f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
                 )
     else:
@@ -743,6 +747,8 @@ def _digest(obj: Any) -> str:
 
     def visit(x: Any) -> None:
         if isinstance(x, Tensor):
+            if x.is_meta:
+                raise ValueError("a tensor on the meta device holds no data")
             t = x.detach().to("cpu").contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
@@ -786,6 +792,7 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
 
     Raises:
         TypeError: no objects.
+        ValueError: a tensor on the meta device (it has no data to save).
         pickle.PicklingError, AttributeError...: an object that ``torch.save`` cannot pickle (the old
             file stays; the temporary file is removed).
         OSError: the file cannot be written (the old file stays; the temporary file is removed).
@@ -861,7 +868,8 @@ def _check_torch_optimizer_state(name: str, optimizer: torch.optim.Optimizer, st
         raise CheckpointError(f"'{name}': expected an optimizer state_dict")
     groups, saved = optimizer.param_groups, state["param_groups"]
     if len(groups) != len(saved):
-        raise CheckpointError(f"'{name}': the checkpoint has {len(saved)} parameter group(s), the optimizer {len(groups)}")
+        raise CheckpointError(f"'{name}': the checkpoint has {len(saved)} parameter group(s), the optimizer "
+                              f"{len(groups)}")
     params = {}
     index = 0
     for gi, (g, s) in enumerate(zip(groups, saved)):
@@ -972,7 +980,11 @@ def load_checkpoint(
         raise CheckpointError(f"{path} has checkpoint format version {payload.get('version')!r}; this halfadam "
                               f"reads version {_FORMAT_VERSION}")
     entries = payload.get("objects")
-    if not isinstance(entries, Mapping) or _digest(entries) != payload.get("sha256"):
+    try:
+        digest = _digest(entries) if isinstance(entries, Mapping) else None
+    except ValueError as exc:
+        raise CheckpointError(f"{path} was read with map_location={map_location!r}: {exc}; use 'cpu'") from None
+    if digest is None or digest != payload.get("sha256"):
         raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it")
     missing = [name for name in objects if name not in entries]
     if missing:
