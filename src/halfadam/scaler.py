@@ -305,11 +305,14 @@ class GradScaler:
         check = GradScaler(init_scale=float(state_dict["scale"]), growth_factor=state_dict["growth_factor"],
                            backoff_factor=state_dict["backoff_factor"],
                            growth_interval=int(state_dict["growth_interval"]))
+        tracker = int(state_dict["_growth_tracker"])
+        if tracker < 0:
+            raise ValueError(f"_growth_tracker must be >= 0, got {tracker}")
         self._init_scale = check._init_scale
         self._growth_factor = check._growth_factor
         self._backoff_factor = check._backoff_factor
         self._growth_interval = check._growth_interval
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_growth_tracker = tracker
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)

@@ -1,0 +1,997 @@
+"""Checkpoints that never lose precision: optimizer state, torch interop, fp32 export, atomic files.
+
+Optimizer state (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
+``AdamW.state_dict()`` / ``load_state_dict()`` call). The state_dict has torch's layout::
+
+    {"state": {index: {"step": 0-d float32 tensor,
+                       "master_weight": float32 tensor (only where the parameter has one),
+                       "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
+     "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
+                       "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
+
+(float64 instead of float32 for float64 parameters). ``global_step`` is the position of the group's
+schedules, which are functions of it; a schedule object is saved *by value* as plain data
+(``{"__schedule__": "module:Class", "attrs": {...}}`` for a plain Python object such as the classes of
+:mod:`halfadam.schedules` and ``PerStepValues``; ``{"__schedule__": ..., "state_dict": ...}`` for an object
+with ``state_dict()``/``load_state_dict()``); a schedule that cannot be saved as data (a lambda, a
+closure) is recorded by name only and the optimizer loading the checkpoint must have been built with
+one. The whole state_dict is therefore made of tensors, numbers, strings, lists, tuples and dicts:
+``torch.save`` it and ``torch.load(..., weights_only=True)`` reads it back.
+
+Loading never changes a state tensor's dtype (float32 state stays float32 for float16/bfloat16
+parameters; ``torch.optim.Optimizer.load_state_dict`` would cast it to float16) and is atomic: every
+count, key, shape, dtype and hyperparameter is checked first; on a mismatch :class:`CheckpointError`
+names the parameter index and what differs, and the optimizer is left exactly as it was. Values are
+then copied *into* the optimizer's state tensors (created through its ``_init_state`` seam), moving to
+the parameter's device. A ``torch.optim.Adam``/``AdamW`` state_dict loads too (its moments are
+upcast to float32, exactly; the master weights are rebuilt from the parameters with a warning), and
+:func:`to_torch_state_dict` goes the other way.
+
+fp32 export: :func:`master_state_dict` gives a model's state_dict with the fp32 master weights in place
+of its float16/bfloat16 parameters; :func:`load_master_state_dict` puts such a dict or file back into a
+half-precision model and its optimizer without loss.
+
+Files: :func:`save_checkpoint` writes several objects' state atomically (temporary file, fsync,
+rename) with a checksum; :func:`load_checkpoint` checks the file and every object's state before
+loading any of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import math
+import numbers
+import os
+import tempfile
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import hyperparams
+from .functional import DECAY_MODES
+
+__all__ = [
+    "CheckpointError",
+    "optimizer_state_dict",
+    "load_optimizer_state_dict",
+    "to_torch_state_dict",
+    "master_state_dict",
+    "load_master_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_SCHEDULE_KEYS = ("lr_schedule", "weight_decay_schedule")
+#: Group keys of torch.optim.Adam/AdamW that halfadam has no use for (dropped on load).
+_TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                          "decoupled_weight_decay")
+#: Modules whose schedule classes a checkpoint may name without the loading optimizer holding one.
+_TRUSTED_SCHEDULE_MODULES = ("halfadam.",)
+_FORMAT = "halfadam.checkpoint"
+_FORMAT_VERSION = 1
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: unreadable, corrupt, or not matching what it is loaded into.
+
+    Raised before anything is changed (the message names the object, the parameter index or key, and
+    what differs). A ``ValueError``, so code that catches torch's ``ValueError`` on load still does.
+    """
+
+
+# ============================================================================ schedules
+def _class_ref(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _importable(cls: type) -> bool:
+    if "<locals>" in cls.__qualname__:
+        return False
+    try:
+        obj: Any = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            obj = getattr(obj, part)
+    except Exception:
+        return False
+    return obj is cls
+
+
+def _is_plain(value: Any) -> bool:
+    """Data ``torch.load(weights_only=True)`` reads back: numbers, strings, tensors and containers of them."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, Tensor, torch.dtype)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _plain_object(obj: Any) -> bool:
+    """An instance whose whole state is a ``__dict__`` of plain data (pickle's default protocol)."""
+    cls = type(obj)
+    return (
+        isinstance(getattr(obj, "__dict__", None), dict)
+        and not hasattr(cls, "__slots__")
+        and cls.__reduce_ex__ is object.__reduce_ex__
+        and cls.__reduce__ is object.__reduce__
+        and getattr(cls, "__getstate__", object.__getstate__) is getattr(object, "__getstate__", None)
+        and getattr(cls, "__setstate__", None) is None
+        and cls.__new__ is object.__new__
+        and _importable(cls)
+        and _is_plain(vars(obj))
+    )
+
+
+def encode_schedule(schedule: Any) -> Optional[dict]:
+    """A schedule (callable of the global step) as plain data; ``None`` stays ``None``.
+
+    * an object with ``state_dict()`` and ``load_state_dict()``: ``{"__schedule__": "module:Class",
+      "state_dict": schedule.state_dict()}``;
+    * a plain Python object (importable class, state in ``__dict__`` of numbers, strings, lists...;
+      :mod:`halfadam.schedules`, ``PerStepValues``): ``{"__schedule__": ..., "attrs": {...}}``;
+    * anything else (a lambda, a closure, a ``functools.partial``): ``{"__schedule__": ...,
+      "repr": repr(schedule)}``, not saved by value.
+    """
+    if schedule is None:
+        return None
+    entry: Dict[str, Any] = {"__schedule__": _class_ref(type(schedule))}
+    if callable(getattr(schedule, "state_dict", None)) and callable(getattr(schedule, "load_state_dict", None)):
+        entry["state_dict"] = schedule.state_dict()
+    elif _plain_object(schedule):
+        entry["attrs"] = copy.deepcopy(dict(vars(schedule)))
+    else:
+        entry["repr"] = repr(schedule)
+    return entry
+
+
+def _import_schedule_class(ref: str, where: str) -> type:
+    module, _, qualname = ref.partition(":")
+    if not module.startswith(_TRUSTED_SCHEDULE_MODULES):
+        raise CheckpointError(
+            f"{where}: the checkpoint's schedule is a {ref}; build the optimizer with a schedule of that "
+            f"class before loading (its saved attributes then replace the new one's)"
+        )
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:
+        raise CheckpointError(f"{where}: the checkpoint's schedule class {ref} does not exist here") from None
+    if not isinstance(obj, type):
+        raise CheckpointError(f"{where}: {ref} is not a class")
+    return obj
+
+
+def decode_schedule(entry: Any, current: Any, where: str) -> Any:
+    """The schedule an :func:`encode_schedule` entry stands for (a new object; ``current`` is not changed).
+
+    ``current`` is the loading optimizer's schedule for the same key: its class is used for an entry of
+    the same class, and it is kept for an entry that was not saved by value.
+
+    Raises:
+        CheckpointError: a malformed entry; an entry not saved by value (or restored through
+            ``load_state_dict``) while ``current`` is ``None`` or of another class; a class outside
+            halfadam that ``current`` is not an instance of.
+    """
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("__schedule__"), str):
+        raise CheckpointError(f"{where}: expected None or a saved schedule (a dict with '__schedule__'), got {entry!r}")
+    ref = entry["__schedule__"]
+    same_class = current is not None and _class_ref(type(current)) == ref
+    try:
+        if "state_dict" in entry:
+            if not same_class:
+                raise CheckpointError(
+                    f"{where}: the checkpoint's schedule is a {ref} restored through load_state_dict(); "
+                    f"build the optimizer with a schedule of that class before loading"
+                )
+            schedule = copy.deepcopy(current)
+            schedule.load_state_dict(copy.deepcopy(entry["state_dict"]))
+            return schedule
+        if "attrs" in entry:
+            if not isinstance(entry["attrs"], Mapping):
+                raise CheckpointError(f"{where}: the saved schedule's 'attrs' is not a dict")
+            cls = type(current) if same_class else _import_schedule_class(ref, where)
+            schedule = cls.__new__(cls)
+            schedule.__dict__.update(copy.deepcopy(dict(entry["attrs"])))
+            return schedule
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{where}: cannot restore the saved {ref} schedule: {exc}") from None
+    if current is None:
+        raise CheckpointError(
+            f"{where}: the checkpoint's schedule {entry.get('repr', ref)} could not be saved by value "
+            f"(a lambda or closure?); build the optimizer with the same schedule before loading"
+        )
+    return current
+
+
+# ============================================================================ optimizer state
+def _is_halfadam(optimizer: Any) -> bool:
+    from .optimizer import _AdamBase
+
+    return isinstance(optimizer, _AdamBase)
+
+
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The state of a halfadam optimizer, in torch's layout (see the module docstring).
+
+    Per parameter: ``step`` (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (float32; float64 for
+    float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
+    never took a step have no entry. Per group: every hyperparameter, ``global_step`` (int) and the
+    schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
+    (or ``torch.save``) before the next step if you keep the dict.
+    """
+    packed = torch.optim.Optimizer.state_dict(optimizer)
+    groups = []
+    for group in packed["param_groups"]:
+        group = dict(group)
+        for key in _SCHEDULE_KEYS:
+            if key in group:
+                group[key] = encode_schedule(group[key])
+        groups.append(group)
+    return {"state": packed["state"], "param_groups": groups}
+
+
+@dataclass
+class _ParamLoad:
+    param: Tensor
+    group_index: int
+    index: int
+    values: Dict[str, Tensor]
+    step: float
+    rebuild_master: bool
+
+
+@dataclass
+class _LoadPlan:
+    groups: List[Dict[str, Any]]
+    loads: List[_ParamLoad]
+    clear: List[Tensor]
+    warnings: List[str] = field(default_factory=list)
+
+
+def _where(index: int, gi: int, j: int, p: Tensor) -> str:
+    return f"parameter {index} (param_groups[{gi}]['params'][{j}], shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _group_kind(group: Mapping[str, Any], gi: int) -> str:
+    if "global_step" in group and "decay" in group:
+        return "halfadam"
+    if "betas" in group and "eps" in group:
+        return "torch"
+    raise CheckpointError(
+        f"param_groups[{gi}] in the checkpoint is neither a halfadam group nor a torch.optim.Adam/AdamW one "
+        f"(keys {sorted(k for k in group if k != 'params')})"
+    )
+
+
+def _check_number(value: Any, where: str, *, allow_tensor: bool = True) -> float:
+    if isinstance(value, Tensor) and allow_tensor:
+        if value.numel() != 1:
+            raise CheckpointError(f"{where} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CheckpointError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def _check_step(value: Any, where: str) -> float:
+    step = _check_number(value, where)
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise CheckpointError(f"{where} must be a whole number >= 0, got {step}")
+    return step
+
+
+def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, gi: int) -> Dict[str, Any]:
+    """The group after loading: the checkpoint's hyperparameters over the current group's, validated."""
+    where = f"param_groups[{gi}]"
+    new = {k: v for k, v in current.items() if k != "params"}
+    # master_weights is structure (which parameters own an fp32 copy, how state is laid out), not a
+    # hyperparameter: the loading optimizer's setting stays, and the state must fit it.
+    saved = {k: v for k, v in saved.items() if k not in ("params", "master_weights")}
+    if kind == "torch":
+        if saved.get("amsgrad"):
+            raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam "
+                                  f"does not implement")
+        if saved.get("maximize"):
+            raise CheckpointError(f"{where}: the checkpoint was written with maximize=True, which halfadam "
+                                  f"does not implement")
+        for key in _TORCH_ONLY_GROUP_KEYS:
+            saved.pop(key, None)
+    else:
+        for key in _SCHEDULE_KEYS:
+            if key in saved:
+                saved[key] = decode_schedule(saved[key], current.get(key), f"{where}['{key}']")
+    new.update(saved)
+    try:
+        if new.get("decay") not in DECAY_MODES:
+            raise CheckpointError(f"{where}['decay'] must be one of {DECAY_MODES}, got {new.get('decay')!r}")
+        if not isinstance(new.get("optimized_update"), bool):
+            raise CheckpointError(f"{where}['optimized_update'] must be a bool, got {new.get('optimized_update')!r}")
+        gs = new.get("global_step")
+        if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 0:
+            raise CheckpointError(f"{where}['global_step'] must be an int >= 0, got {gs!r}")
+        new["betas"] = hyperparams.parse_betas(tuple(new["betas"]) if isinstance(new["betas"], list) else new["betas"],
+                                               f"{where}['betas']")
+        new["eps"] = hyperparams.parse_eps(new["eps"], f"{where}['eps']")
+        for key in ("lr", "weight_decay"):
+            value = new[key]
+            if isinstance(value, Tensor):
+                if value.numel() != 1 or not value.is_floating_point():
+                    raise CheckpointError(f"{where}['{key}'] must be a number or a 1-element float tensor")
+                hyperparams.check_value(value.item(), f"{where}['{key}']")
+            else:
+                hyperparams.check_value(_check_number(value, f"{where}['{key}']"), f"{where}['{key}']")
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    return new
+
+
+def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPlan:
+    """Check ``state_dict`` against ``optimizer`` completely; change nothing. Raises CheckpointError."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise CheckpointError("an optimizer state_dict must be a dict with 'state' and 'param_groups'")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in saved_groups):
+        raise CheckpointError("the state_dict's 'param_groups' must be a list of dicts")
+    if not isinstance(saved_state, Mapping):
+        raise CheckpointError("the state_dict's 'state' must be a dict")
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}"
+        )
+    kinds = [_group_kind(g, gi) for gi, g in enumerate(saved_groups)]
+    if len(set(kinds)) > 1:
+        raise CheckpointError("the checkpoint mixes halfadam and torch.optim parameter groups")
+    kind = kinds[0] if kinds else "halfadam"
+
+    # Saved index -> parameter, by position (as torch does).
+    slots: Dict[Any, Tuple[Tensor, int, int, int]] = {}
+    index = 0
+    for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+        ids = saved.get("params")
+        if not isinstance(ids, (list, tuple)):
+            raise CheckpointError(f"param_groups[{gi}]['params'] in the checkpoint must be a list of indices")
+        if len(ids) != len(group["params"]):
+            raise CheckpointError(
+                f"param_groups[{gi}] has {len(ids)} parameter(s) in the checkpoint, {len(group['params'])} in "
+                f"this optimizer"
+            )
+        for j, (pid, p) in enumerate(zip(ids, group["params"])):
+            if pid in slots:
+                raise CheckpointError(f"param_groups[{gi}]['params'][{j}]: index {pid!r} appears twice in the "
+                                      f"checkpoint")
+            slots[pid] = (p, gi, j, index)
+            index += 1
+    stray = [k for k in saved_state if k not in slots]
+    if stray:
+        raise CheckpointError(f"the checkpoint has state for parameter index(es) {stray[:5]} that are in no group")
+
+    new_groups = [_merge_group(g, s, kind, gi) for gi, (g, s) in enumerate(zip(groups, saved_groups))]
+
+    plan = _LoadPlan(groups=new_groups, loads=[], clear=[])
+    if kind == "torch":
+        for gi, saved in enumerate(saved_groups):
+            dwd = saved.get("decoupled_weight_decay")
+            wd = new_groups[gi]["weight_decay"]
+            wd = wd.item() if isinstance(wd, Tensor) else wd
+            if dwd is not None and wd and bool(dwd) != (new_groups[gi]["decay"] == "decoupled"):
+                plan.warnings.append(
+                    f"param_groups[{gi}]: the checkpoint decays weights "
+                    f"{'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
+                    f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
+                )
+    else:
+        for gi, (current, new) in enumerate(zip(groups, new_groups)):
+            for key in ("decay", "optimized_update"):
+                if key in current and current[key] != new[key]:
+                    plan.warnings.append(
+                        f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
+                        f"{current[key]!r} (it was written by another halfadam optimizer class?)"
+                    )
+    rebuilt = []
+    steps_per_group: Dict[int, List[float]] = {}
+    for pid, (p, gi, j, index) in slots.items():
+        where = _where(index, gi, j, p)
+        saved = saved_state.get(pid)
+        if saved is None:
+            plan.clear.append(p)
+            continue
+        if not isinstance(saved, Mapping):
+            raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
+        group = new_groups[gi]
+        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+        use_master = group["master_weights"]
+        if use_master is None:
+            use_master = p.dtype in _HALF_DTYPES
+        allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} if kind == "halfadam" else set())
+        unexpected = sorted(set(saved) - allowed)
+        if unexpected:
+            raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
+        missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
+        if missing:
+            raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
+        if "master_weight" in saved and not use_master:
+            raise CheckpointError(
+                f"{where}: the checkpoint has a master_weight but this optimizer keeps none for this parameter "
+                f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
+                f"fp32 weights with load_master_state_dict"
+            )
+        values = {}
+        for name in ("exp_avg", "exp_avg_sq", "master_weight"):
+            if name not in saved:
+                continue
+            t = saved[name]
+            if not isinstance(t, Tensor):
+                raise CheckpointError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+            if t.shape != p.shape:
+                raise CheckpointError(
+                    f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, the parameter has {tuple(p.shape)}"
+                )
+            if t.is_meta:
+                raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
+            if not t.is_floating_point():
+                raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
+            if kind == "halfadam" and t.dtype != compute:
+                raise CheckpointError(
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute} (halfadam keeps "
+                    f"its optimizer state in {compute})"
+                )
+            if kind == "torch" and torch.promote_types(t.dtype, compute) != compute:
+                raise CheckpointError(
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
+                    f"lose precision"
+                )
+            values[name] = t
+        step = _check_step(saved["step"], f"{where}: step")
+        rebuild = use_master and "master_weight" not in saved
+        if rebuild:
+            rebuilt.append(index)
+        steps_per_group.setdefault(gi, []).append(step)
+        plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild))
+
+    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most
+        for gi, steps in steps_per_group.items():
+            plan.groups[gi]["global_step"] = int(max(steps))
+    for gi, group in enumerate(plan.groups):
+        for key in _SCHEDULE_KEYS:
+            schedule = group.get(key)
+            if schedule is not None:
+                what = key.removesuffix("_schedule")
+                try:
+                    hyperparams.value_at(schedule, group["global_step"], f"param_groups[{gi}]['{what}']")
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"param_groups[{gi}]['{key}'] fails at global step {group['global_step']}: {exc}"
+                    ) from None
+    if rebuilt:
+        source = "a torch.optim checkpoint" if kind == "torch" else "a checkpoint written without master weights"
+        plan.warnings.append(
+            f"master weights rebuilt from the current parameter values for parameter(s) {rebuilt} ({source} has "
+            f"none); load the model's weights before the optimizer's"
+        )
+    return plan
+
+
+@torch.no_grad()
+def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
+    for group, new in zip(optimizer.param_groups, plan.groups):
+        params = group["params"]
+        for key in [k for k in group if k not in new]:
+            del group[key]
+        group.update(new)
+        group["params"] = params
+    for p in plan.clear:
+        optimizer.state.pop(p, None)
+    for load in plan.loads:
+        p, group = load.param, optimizer.param_groups[load.group_index]
+        state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
+        for name, value in load.values.items():
+            state[name].copy_(value)
+        if load.rebuild_master:
+            state["master_weight"].copy_(p.detach())
+        if isinstance(state.get("step"), Tensor):
+            state["step"].fill_(load.step)
+        else:
+            state["step"] = torch.tensor(load.step, dtype=torch.float32)
+    for message in plan.warnings:
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load a halfadam or ``torch.optim.Adam``/``AdamW`` state_dict into a halfadam optimizer, atomically.
+
+    From a halfadam state_dict: every hyperparameter (as torch: the checkpoint's values replace the
+    optimizer's), ``global_step`` and schedule, and per parameter ``step``, ``exp_avg``, ``exp_avg_sq``
+    and ``master_weight`` (copied into the optimizer's tensors, which keep their dtype: float32, or
+    float64 for float64 parameters; moved to the parameter's device). ``master_weights`` is not
+    loaded: it is structure (which parameters own an fp32 copy), and the checkpoint must fit the
+    loading optimizer's (a saved master for a parameter without one is an error; a parameter whose
+    master is missing from the checkpoint gets it rebuilt from its value, with a warning).
+    From a torch one: ``lr``, ``betas``, ``eps``, ``weight_decay`` and the steps and moments (upcast to
+    float32, exactly); halfadam's own group keys (schedules, ``decay``...) stay as they are, each group's
+    ``global_step`` becomes its parameters' largest step, and master weights are rebuilt from the
+    parameters (a ``UserWarning`` says so: load the model first).
+
+    Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
+
+    Raises:
+        CheckpointError (a ValueError), before anything changes: a different number of groups or of
+            parameters in a group; a missing or unexpected state key; a shape that differs from the
+            parameter's; a state tensor that is not in the optimizer's state dtype (halfadam
+            checkpoints) or would lose precision converted to it (torch ones); a master weight for a
+            parameter this optimizer keeps none for; an invalid hyperparameter, step or schedule;
+            amsgrad or maximize in a torch checkpoint.
+    """
+    state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    plan = _prepare_load(optimizer, state_dict)
+    _commit_load(optimizer, plan)
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(optimizer)
+
+
+def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's state as a ``torch.optim.AdamW`` (or ``Adam``) state_dict, to continue in torch.
+
+    Per parameter: ``step`` and float32 copies of ``exp_avg`` and ``exp_avg_sq``; master weights are
+    dropped (torch updates the parameters themselves; ``torch.optim.Optimizer.load_state_dict`` casts
+    the moments to the parameter's dtype). Per group: the learning rate and weight decay of the *next*
+    step (a schedule evaluated at ``global_step``; attach a torch lr_scheduler to go on scheduling),
+    ``betas``, ``eps``, torch's flags with their defaults and ``decoupled_weight_decay`` (``True`` for
+    decay ``"decoupled"``, so ``torch.optim.Adam`` loading it behaves as AdamW too). Other keys (e.g.
+    ``initial_lr``) are kept.
+
+    Raises:
+        ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay).
+    Warns:
+        UserWarning: a group with ``optimized_update`` (torch adds eps after bias correction).
+    """
+    packed = torch.optim.Optimizer.state_dict(optimizer)
+    halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
+    groups = []
+    for gi, (group, pg) in enumerate(zip(optimizer.param_groups, packed["param_groups"])):
+        where = f"param_groups[{gi}]"
+        values = {}
+        for key in ("lr", "weight_decay"):
+            schedule = group.get(f"{key}_schedule")
+            if schedule is not None:
+                values[key] = hyperparams.value_at(schedule, group["global_step"], f"{where}['{key}']")
+            else:
+                v = group[key]
+                values[key] = float(v.item() if isinstance(v, Tensor) else v)
+        if group["decay"] == "absolute" and values["weight_decay"] > 0:
+            raise ValueError(f"{where}: decay 'absolute' (w <- w * (1 - wd)) has no torch.optim equivalent")
+        if group["optimized_update"]:
+            warnings.warn(f"{where}: optimized_update=True has no torch.optim equivalent; torch adds eps after "
+                          f"bias correction", UserWarning, stacklevel=2)
+        tg = {k: v for k, v in pg.items() if k not in halfadam_keys and k != "params"}
+        tg.update(lr=values["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=values["weight_decay"],
+                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                  decoupled_weight_decay=group["decay"] == "decoupled", params=list(pg["params"]))
+        groups.append(tg)
+    state = {}
+    for pid, st in packed["state"].items():
+        step = st["step"]
+        state[pid] = {
+            "step": step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
+            else torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": st["exp_avg"].detach().clone(),
+            "exp_avg_sq": st["exp_avg_sq"].detach().clone(),
+        }
+    return {"state": state, "param_groups": groups}
+
+
+# ============================================================================ fp32 export
+def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> "OrderedDict[str, Tensor]":
+    """``model.state_dict()`` with the fp32 master weight in place of each parameter that has one.
+
+    Every other float16/bfloat16 entry (parameters without a master, buffers) is upcast to float32,
+    exactly; float32/float64 and non-floating entries keep their dtype. Each value is a new contiguous
+    tensor on the device it was on (tied weights are separate copies), so the dict can go to
+    ``torch.save`` or ``safetensors.torch.save_file`` directly. A parameter that has not taken a step
+    yet is exported from its current value (its master would be created from it).
+
+    Raises:
+        TypeError: ``optimizer`` is not a halfadam optimizer.
+    """
+    if not _is_halfadam(optimizer):
+        raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
+    masters = {id(p): st["master_weight"] for p, st in optimizer.state.items() if "master_weight" in st}
+    source = model.state_dict(keep_vars=True)
+    out: "OrderedDict[str, Tensor]" = OrderedDict()
+    for key, value in source.items():
+        t = masters.get(id(value), value)
+        if not isinstance(t, Tensor):
+            out[key] = value
+            continue
+        t = t.detach()
+        if t.dtype in _HALF_DTYPES:
+            t = t.float()
+        out[key] = t.clone(memory_format=torch.contiguous_format)
+    metadata = getattr(source, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
+
+
+def _read_tensor_file(path: PathLike) -> Mapping[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no such file: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path), device="cpu")
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path} cannot be read (truncated or corrupt?): {_first_line(exc)}") from None
+    if isinstance(data, Mapping) and data.get("format") == _FORMAT:
+        raise CheckpointError(f"{path} is a halfadam checkpoint; use load_checkpoint")
+    if not isinstance(data, Mapping):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a state_dict")
+    return data
+
+
+def load_master_state_dict(
+    model: torch.nn.Module,
+    source: Union[Mapping[str, Tensor], PathLike],
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    strict: bool = True,
+) -> None:
+    """Load fp32 weights (from :func:`master_state_dict`, a dict or a file) into a model and its optimizer.
+
+    Each parameter receives the value rounded to its dtype (round to nearest even; exact for float32
+    parameters); with ``optimizer`` (a halfadam one), each parameter that keeps a master weight gets
+    the value itself as its master, so nothing is lost. Moments and steps are left as they are (a
+    fresh optimizer starts from zero). Buffers are copied (cast to their dtype).
+
+    Args:
+        model: the model, in any floating dtype.
+        source: a dict of tensors, or a path: ``*.safetensors`` is read with safetensors, anything
+            else with ``torch.load(weights_only=True)``.
+        optimizer: a halfadam optimizer over ``model``'s parameters, or ``None``.
+        strict: the keys must be exactly the model's (default); ``False`` loads the common keys.
+
+    Raises:
+        CheckpointError (nothing is changed): an unreadable file; missing or unexpected keys (strict);
+            a value that is not a tensor, of another shape, floating for a non-floating entry or the
+            reverse; tied entries with different values.
+        TypeError: ``optimizer`` is not a halfadam optimizer.
+    """
+    if optimizer is not None and not _is_halfadam(optimizer):
+        raise TypeError(f"optimizer must be a halfadam optimizer, got {type(optimizer).__name__}")
+    if not isinstance(source, Mapping):
+        source = _read_tensor_file(source)
+    targets = model.state_dict(keep_vars=True)
+    missing = [k for k in targets if k not in source]
+    unexpected = [k for k in source if k not in targets]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"the weights do not match the model: missing keys {missing[:10]}, unexpected keys "
+                              f"{unexpected[:10]}")
+    seen: Dict[int, Tuple[str, Tensor]] = {}
+    for key, target in targets.items():
+        if key not in source or not isinstance(target, Tensor):
+            continue
+        value = source[key]
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"'{key}' must be a tensor, got {type(value).__name__}")
+        if value.shape != target.shape:
+            raise CheckpointError(f"'{key}' has shape {tuple(value.shape)}, the model's has {tuple(target.shape)}")
+        if value.is_floating_point() != target.is_floating_point() or (
+                not target.is_floating_point() and value.dtype != target.dtype):
+            raise CheckpointError(f"'{key}' has dtype {value.dtype}, the model's has {target.dtype}")
+        if value.is_meta:
+            raise CheckpointError(f"'{key}' is on the meta device (no data)")
+        if id(target) in seen:
+            other, other_value = seen[id(target)]
+            if not torch.equal(other_value.cpu(), value.cpu()):
+                raise CheckpointError(f"'{key}' and '{other}' are the same (tied) tensor but have different values")
+        seen[id(target)] = (key, value)
+    group_of = {}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                group_of[id(p)] = group
+    with torch.no_grad():
+        for key, target in targets.items():
+            if key not in source or not isinstance(target, Tensor):
+                continue
+            value = source[key]
+            target.copy_(value)
+            group = group_of.get(id(target))
+            if group is None:
+                continue
+            use_master = group["master_weights"]
+            if use_master is None:
+                use_master = target.dtype in _HALF_DTYPES
+            if use_master or optimizer.state.get(target):  # type: ignore[union-attr]
+                state = optimizer._init_state(target, group)  # type: ignore[union-attr]
+                if "master_weight" in state:
+                    state["master_weight"].copy_(value)
+
+
+# ============================================================================ files
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _digest(obj: Any) -> str:
+    """SHA-256 over a canonical walk of ``obj`` (tensor bytes, dtypes and shapes, keys, plain values)."""
+    h = hashlib.sha256()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, Tensor):
+            if x.is_meta:
+                raise ValueError("a tensor on the meta device holds no data")
+            t = x.detach().to("cpu").contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, Mapping):
+            h.update(f"D{len(x)}".encode())
+            for k, v in x.items():
+                visit(k)
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{'L' if isinstance(x, list) else 'U'}{len(x)}".encode())
+            for v in x:
+                visit(v)
+        elif x is None or isinstance(x, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+        else:
+            h.update(f"O{type(x).__qualname__};".encode())
+
+    visit(obj)
+    return h.hexdigest()
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+
+
+def save_checkpoint(path: PathLike, **objects: Any) -> Path:
+    """Write ``objects`` to ``path`` atomically: a crash or kill mid-save leaves the previous file intact.
+
+    Each keyword names one entry: an object with ``state_dict()`` (a model, an optimizer, a scaler, an
+    lr scheduler) is stored as its state_dict, anything else as is (a step count, an RNG state tensor,
+    lists of losses). The file is written with ``torch.save`` to a temporary file in the same
+    directory, flushed and fsync'ed, then renamed over ``path`` (``os.replace``) and the directory
+    fsync'ed. It holds ``{"format": "halfadam.checkpoint", "version": 1, "sha256": ..., "objects":
+    {name: state}}``; the checksum covers every value, so :func:`load_checkpoint` detects a corrupt
+    file (``torch.load`` does not verify its data). With halfadam objects and plain values, the file
+    loads with ``torch.load(path, weights_only=True)``.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`. Creates missing parent directories.
+
+    Raises:
+        TypeError: no objects.
+        ValueError: a tensor on the meta device (it has no data to save).
+        pickle.PicklingError, AttributeError...: an object that ``torch.save`` cannot pickle (the old
+            file stays; the temporary file is removed).
+        OSError: the file cannot be written (the old file stays; the temporary file is removed).
+    """
+    if not objects:
+        raise TypeError("save_checkpoint needs at least one object to save")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    states = {name: _state_of(obj) for name, obj in objects.items()}
+    payload = {"format": _FORMAT, "version": _FORMAT_VERSION, "sha256": _digest(states), "objects": states}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def _check_module_state(name: str, module: torch.nn.Module, state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"'{name}': expected a model state_dict, got {type(state).__name__}")
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"'{name}': the checkpoint is of another model: missing keys {missing[:10]}, unexpected keys "
+            f"{unexpected[:10]}"
+        )
+    for key, target in own.items():
+        value = state[key]
+        if not isinstance(target, Tensor):
+            continue
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"'{name}': '{key}' must be a tensor, got {type(value).__name__}")
+        if value.shape != target.shape:
+            raise CheckpointError(
+                f"'{name}': '{key}' has shape {tuple(value.shape)} in the checkpoint, the model's has "
+                f"{tuple(target.shape)}"
+            )
+        if value.dtype != target.dtype:
+            raise CheckpointError(
+                f"'{name}': '{key}' has dtype {value.dtype} in the checkpoint, the model's has {target.dtype} "
+                f"(convert the model first, or load fp32 weights with load_master_state_dict)"
+            )
+        if value.is_meta:
+            raise CheckpointError(f"'{name}': '{key}' is on the meta device (no data)")
+
+
+def _check_torch_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Any) -> None:
+    if not isinstance(state, Mapping) or "state" not in state or "param_groups" not in state:
+        raise CheckpointError(f"'{name}': expected an optimizer state_dict")
+    groups, saved = optimizer.param_groups, state["param_groups"]
+    if len(groups) != len(saved):
+        raise CheckpointError(f"'{name}': the checkpoint has {len(saved)} parameter group(s), the optimizer "
+                              f"{len(groups)}")
+    params = {}
+    index = 0
+    for gi, (g, s) in enumerate(zip(groups, saved)):
+        if len(g["params"]) != len(s["params"]):
+            raise CheckpointError(f"'{name}': param_groups[{gi}] has {len(s['params'])} parameter(s) in the "
+                                  f"checkpoint, {len(g['params'])} in the optimizer")
+        for j, (pid, p) in enumerate(zip(s["params"], g["params"])):
+            params[pid] = (p, _where(index, gi, j, p))
+            index += 1
+    for pid, st in state["state"].items():
+        if pid not in params:
+            raise CheckpointError(f"'{name}': state for parameter index {pid!r}, which is in no group")
+        p, where = params[pid]
+        for key, value in st.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise CheckpointError(f"'{name}': {where}: {key} has shape {tuple(value.shape)} in the checkpoint")
+
+
+def _check_entry(name: str, obj: Any, state: Any) -> Any:
+    """Validate ``state`` for ``obj``; returns how to commit it."""
+    from .scaler import GradScaler
+
+    if isinstance(obj, torch.nn.Module):
+        _check_module_state(name, obj, state)
+        return lambda: obj.load_state_dict(state)
+    if _is_halfadam(obj):
+        if isinstance(state, Mapping):
+            state = dict(state)
+        for hook in getattr(obj, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            result = hook(obj, state)
+            if result is not None:
+                state = result
+        try:
+            plan = _prepare_load(obj, state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"'{name}': {exc}") from None
+
+        def commit():
+            _commit_load(obj, plan)
+            for hook in getattr(obj, "_optimizer_load_state_dict_post_hooks", {}).values():
+                hook(obj)
+        return commit
+    if isinstance(obj, torch.optim.Optimizer):
+        _check_torch_optimizer_state(name, obj, state)
+        return lambda: obj.load_state_dict(state)
+    if isinstance(obj, (GradScaler, torch.amp.GradScaler)):
+        try:
+            copy.deepcopy(obj).load_state_dict(state)
+        except Exception as exc:
+            raise CheckpointError(f"'{name}': {_first_line(exc)}") from None
+        return lambda: obj.load_state_dict(state)
+    if callable(getattr(obj, "load_state_dict", None)):
+        return lambda: obj.load_state_dict(state)
+    raise TypeError(f"'{name}': {type(obj).__name__} has no load_state_dict(); read plain entries from the "
+                    f"returned dict instead")
+
+
+def load_checkpoint(
+    path: PathLike,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    **objects: Any,
+) -> Dict[str, Any]:
+    """Read a :func:`save_checkpoint` file and load its entries into ``objects``, all or nothing.
+
+    ``load_checkpoint(path, model=model, optimizer=opt, scaler=scaler)`` checks the file (readable,
+    the halfadam checkpoint format, checksum), that every named entry exists, and every object's state
+    (models: keys, shapes, dtypes; halfadam optimizers: everything :func:`load_optimizer_state_dict`
+    checks; other optimizers: group and parameter counts and shapes; scalers: keys and ranges) before
+    loading any of them; then loads models first (so that master weights rebuilt from parameters see the
+    loaded values), then optimizers, then the rest. Tensors are read onto ``map_location`` (CPU by
+    default) and copied to each parameter's device on load.
+
+    Args:
+        path: the file.
+        map_location: as ``torch.load``'s (``"cpu"``: a checkpoint written on CUDA loads anywhere).
+        weights_only: as ``torch.load``'s; ``True`` (default) reads plain data and tensors only. Pass
+            ``False`` only for a trusted file holding other Python objects.
+        **objects: name -> object with ``load_state_dict`` (the names used with save_checkpoint).
+
+    Returns:
+        The checkpoint's entries, name -> saved value (state_dicts and plain entries such as the step).
+
+    Raises:
+        CheckpointError: no such file; a truncated, corrupt or foreign file; a missing entry; a state
+            that does not match its object (the message names the entry and what differs). Nothing
+            has been loaded.
+        TypeError: an object without ``load_state_dict``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as exc:
+        text = _first_line(exc)
+        if weights_only and "weights_only" in str(exc):
+            hint = "it holds Python objects other than plain data; pass weights_only=False if you trust the file"
+        elif "CUDA" in str(exc) or "device" in str(exc):
+            hint = "it was saved on a device this machine lacks; pass map_location='cpu'"
+        else:
+            hint = "truncated or corrupt?"
+        raise CheckpointError(f"{path} cannot be read ({hint}): {text}") from None
+    if not isinstance(payload, Mapping) or payload.get("format") != _FORMAT:
+        raise CheckpointError(f"{path} is not a halfadam checkpoint (written by save_checkpoint)")
+    if payload.get("version") != _FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {payload.get('version')!r}; this halfadam "
+                              f"reads version {_FORMAT_VERSION}")
+    entries = payload.get("objects")
+    try:
+        digest = _digest(entries) if isinstance(entries, Mapping) else None
+    except ValueError as exc:
+        raise CheckpointError(f"{path} was read with map_location={map_location!r}: {exc}; use 'cpu'") from None
+    if digest is None or digest != payload.get("sha256"):
+        raise CheckpointError(f"{path} is corrupt: its contents do not match the checksum written with it")
+    missing = [name for name in objects if name not in entries]
+    if missing:
+        raise CheckpointError(f"{path} has no entry {missing[0]!r} (it holds: {', '.join(entries)})")
+    order = sorted(objects, key=lambda n: 0 if isinstance(objects[n], torch.nn.Module)
+                   else 1 if isinstance(objects[n], torch.optim.Optimizer) else 2)
+    commits = [(name, _check_entry(name, objects[name], entries[name])) for name in order]
+    for name, commit in commits:
+        commit()
+    return dict(entries)
