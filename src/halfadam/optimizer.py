@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
+from .distributed import localize
 from .executions import Hyperparameters, reference_step
 from .functional import DECAY_MODES
 
@@ -270,7 +271,8 @@ class _AdamBase(torch.optim.Optimizer):
                 decay=group["decay"],
                 optimized_update=group["optimized_update"],
             )
-            reference_step(pairs, self.state, hp)
+            # FSDP2: DTensor params/grads/state -> their local shards (the math is elementwise).
+            reference_step(*localize(pairs, self.state), hp)
         return loss
 
     def __call__(self, gradients: Sequence[Tensor]) -> Tuple[bool, ...]:

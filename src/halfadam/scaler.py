@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .optimizer import _AdamBase
+from .distributed import AUTO, all_reduce_found_inf, halfadam_optimizer, local, total_norm
 
 __all__ = ["GradScaler"]
 
@@ -33,7 +33,7 @@ def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Ten
     per (device, dtype) group; otherwise plain public ops. This is the only private torch op used here.
     """
     groups: Dict[Any, List[Tensor]] = defaultdict(list)
-    for t in tensors:
+    for t in map(local, tensors):  # DTensor (FSDP2) gradients: their local shards, in place
         groups[(t.device, t.dtype)].append(t)
     fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     for (device, _), ts in groups.items():
@@ -69,6 +69,12 @@ class GradScaler:
         growth_interval: clean steps (int > 0) between growths.
         enabled: ``False`` makes every method a pass-through (``scale`` returns its input, ``step``
             calls ``optimizer.step()``).
+        process_group: the ranks that agree on skipping a step (keyword only). ``"auto"`` (default):
+            the default process group when ``torch.distributed`` is initialized with world size > 1,
+            else none; a ``ProcessGroup``: that group; ``None``: no agreement. With agreement the
+            inf/nan flag is all-reduced (MAX) in :meth:`unscale_`, so every rank skips the same step and
+            keeps the same scale. Needed under FSDP2 (each rank sees only its gradient shards) and
+            ZeRO (whose step is collective); harmless under DDP (one 4-byte all-reduce per step).
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
@@ -91,6 +97,8 @@ class GradScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        process_group: Any = AUTO,
     ):
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
@@ -106,6 +114,7 @@ class GradScaler:
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
         self._enabled = bool(enabled)
+        self._process_group = process_group
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._init_growth_tracker = 0
@@ -173,7 +182,7 @@ class GradScaler:
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if isinstance(optimizer, _AdamBase):
+        if halfadam_optimizer(optimizer) is not None:  # also a ZeroRedundancyOptimizer around one
             grads = {p: p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float() for p in params}
             _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
             st["grads"] = grads
@@ -185,6 +194,7 @@ class GradScaler:
                         "Use a halfadam optimizer, which takes unscaled float32 gradients."
                     )
             _unscale_and_check_([p.grad for p in params], inv_scale, found_inf)
+        all_reduce_found_inf(found_inf, self._process_group)  # every rank skips the same steps
         st["found_inf"] = found_inf
         st["stage"] = _UNSCALED
 
@@ -201,16 +211,17 @@ class GradScaler:
         optimizer will use (for halfadam optimizers the unscaled float32 ones, which
         ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see). Returns the total
         norm before clipping (inf/nan if a gradient overflowed; that step is skipped anyway).
+        For sharded (``DTensor``, FSDP2) gradients the norm is that of the whole gradients, reduced
+        across ranks; replicated gradients (DDP, ZeRO) give the global norm locally.
         """
         if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
             self.unscale_(optimizer)
         grads = self._grads(optimizer)
         if not grads:
             return torch.zeros(())
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), norm_type)
+        total = total_norm(grads, norm_type)  # across shards for DTensor (FSDP2) gradients
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in map(local, grads):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total
 

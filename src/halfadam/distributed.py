@@ -1,0 +1,331 @@
+"""halfadam under ``torch.distributed``: DDP, ZeRO-1, FSDP2 and distributed checkpoints.
+
+halfadam adds no distributed scheme of its own. It relies on torch's machinery and provides the few
+seams that machinery needs:
+
+* **DDP** (``DistributedDataParallel``, also with ``gradient_as_bucket_view=True``): gradients arrive
+  averaged and replicated; the optimizer runs unchanged on every rank and replicas stay bitwise equal.
+* **ZeRO-1** (``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=AdamW, ...)``):
+  each rank's local halfadam optimizer holds masters and moments for its shard only; ZeRO broadcasts
+  the parameters after the step. :func:`halfadam_optimizer` lets :class:`halfadam.GradScaler`
+  recognise the wrapped optimizer and hand it unscaled fp32 gradients (``ZeroRedundancyOptimizer.step``
+  forwards keyword arguments to the local optimizer, which ignores parameters it does not own).
+* **FSDP2** (``torch.distributed.fsdp.fully_shard``): parameters are ``DTensor``\\ s; the state
+  (``master_weight``, ``exp_avg``, ``exp_avg_sq``) is created from them and so is a ``DTensor``
+  sharded like its parameter, which DCP saves sharded. The update math runs on the local shards
+  (:func:`local`, :func:`localize`): the math is elementwise, so shard by shard equals the whole.
+* **Overflow agreement**: :func:`all_reduce_found_inf` (MAX over a process group), used by
+  :class:`halfadam.GradScaler` (``process_group="auto"`` by default), so an inf/nan on any rank makes
+  every rank skip the same step and the loss scale stays identical everywhere.
+* **Global-norm clipping**: :func:`total_norm` reduces the norms of sharded (``DTensor``) gradients
+  across their mesh; replicated gradients (DDP, ZeRO) already give the global norm locally.
+* **Distributed checkpoints**: :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`
+  wrap ``torch.distributed.checkpoint.state_dict``'s functions so that the fp32 state is created
+  without a fake step and stays fp32 when loaded (see their docstrings).
+
+Seam for the fused (compiled, flat-buffer) execution: an execution receives ``(param, grad)`` pairs
+and the per-parameter state; call :func:`localize` first (the optimizer does) and it sees ordinary
+local tensors (``DTensor.to_local()`` shares storage, so in-place updates land in the shards). A flat
+bucket for FSDP2 state holds the *local* shards, and the per-parameter ``DTensor`` views are rebuilt
+with ``DTensor.from_local(view, param.device_mesh, param.placements, shape=param.shape,
+stride=param.stride())``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AUTO",
+    "local",
+    "is_dtensor",
+    "localize",
+    "halfadam_optimizer",
+    "resolve_process_group",
+    "all_reduce_found_inf",
+    "total_norm",
+    "init_state",
+    "fp32_state_kept",
+    "get_optimizer_state_dict",
+    "set_optimizer_state_dict",
+    "launch",
+    "init_from_env",
+]
+
+#: ``GradScaler(process_group=AUTO)``: agree on overflow over the default process group whenever
+#: ``torch.distributed`` is initialized with more than one rank.
+AUTO = "auto"
+
+try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _DTensor = None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, gradient or state)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t: Any) -> Any:
+    """The local shard of a ``DTensor`` (sharing its storage), or ``t`` itself for anything else."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
+             ) -> Tuple[List[Tuple[Tensor, Tensor]], Dict[Tensor, dict]]:
+    """``pairs`` and ``state`` with every ``DTensor`` replaced by its local shard.
+
+    Returns the inputs themselves when no ``DTensor`` is involved. Otherwise new lists/dicts whose
+    tensors share storage with the originals, so an execution updating them in place updates the
+    sharded parameters and state; non-``DTensor`` entries (the 0-d ``step``) are the same objects.
+    """
+    if not any(is_dtensor(p) or is_dtensor(g) for p, g in pairs):
+        return pairs, state
+    local_pairs, local_state = [], {}
+    for p, g in pairs:
+        lp = local(p)
+        local_pairs.append((lp, local(g)))
+        local_state[lp] = {k: local(v) for k, v in state[p].items()}
+    return local_pairs, local_state
+
+
+def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
+    """The halfadam optimizer behind ``optimizer``, or ``None``.
+
+    ``optimizer`` itself for a :class:`halfadam.AdamW`/``Adam``/``AdamFP16``; its local optimizer
+    (``.optim``) for a ``torch.distributed.optim.ZeroRedundancyOptimizer`` built with a halfadam
+    ``optimizer_class``.
+    """
+    from .optimizer import _AdamBase
+
+    if isinstance(optimizer, _AdamBase):
+        return optimizer
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, _AdamBase):
+        try:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+        except Exception:  # pragma: no cover
+            return None
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return inner
+    return None
+
+
+def resolve_process_group(process_group: Any) -> Optional[Any]:
+    """The process group to agree over, or ``None`` for no agreement.
+
+    ``AUTO``: the default group when ``torch.distributed`` is initialized with world size > 1, else
+    ``None``. ``None``: no agreement (each rank decides alone). A ``ProcessGroup``: that group.
+    """
+    if isinstance(process_group, str) and process_group != AUTO:
+        raise ValueError(f"process_group must be {AUTO!r}, None or a ProcessGroup, got {process_group!r}")
+    if process_group is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if isinstance(process_group, str):
+        return dist.group.WORLD if dist.get_world_size() > 1 else None
+    return process_group
+
+
+def all_reduce_found_inf(found_inf: Tensor, process_group: Any) -> Tensor:
+    """Make ``found_inf`` (a 1-element float32 tensor, 0.0 or 1.0) the MAX over ``process_group``.
+
+    In place; a no-op when ``process_group`` resolves to ``None``. The tensor is moved to the
+    backend's device if needed (gloo: CPU; nccl: the current CUDA device) and back.
+    """
+    group = resolve_process_group(process_group)
+    if group is None:
+        return found_inf
+    dist = torch.distributed
+    backend = dist.get_backend(group)
+    device = found_inf.device
+    if backend == "nccl" and device.type != "cuda":
+        buf = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
+    elif backend == "gloo" and device.type != "cpu":
+        buf = found_inf.cpu()
+    else:
+        buf = found_inf
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    if buf is not found_inf:
+        found_inf.copy_(buf.to(device))
+    return found_inf
+
+
+def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, as a float32 0-d tensor, across shards.
+
+    Plain tensors contribute their local norm (DDP and ZeRO gradients are replicated, so this is the
+    global norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor: their
+    sharded norm is reduced over their mesh (``full_tensor()``), so every rank gets the same value.
+    """
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.zeros(())
+    device = local(grads[0]).device
+    norms = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        if is_dtensor(n):
+            n = n.full_tensor()
+        norms.append(n.to(device))
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def init_state(optimizer: Any) -> None:
+    """Create the state (step 0, masters, zero moments) of every parameter that has none yet.
+
+    ``torch.distributed.checkpoint.state_dict`` otherwise creates it by a step with zero gradients
+    and ``lr=0``, which would advance halfadam's ``global_step`` and, with a learning-rate schedule or
+    ``absolute`` decay, change the weights. Idempotent.
+    """
+    opt = halfadam_optimizer(optimizer)
+    if opt is None:
+        raise TypeError(f"not a halfadam optimizer: {type(optimizer).__name__}")
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt._init_state(p, group)
+
+
+@contextlib.contextmanager
+def fp32_state_kept(optimizer: Any) -> Iterator[None]:
+    """Within the block, ``optimizer.load_state_dict`` keeps floating state in its saved dtype.
+
+    ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its parameter's
+    dtype, which would round the fp32 masters and moments of float16/bfloat16 parameters. Within
+    this block a pre/post hook pair puts back the saved tensors (moved to the parameter's device)
+    wherever the dtype changed. It does nothing when ``load_state_dict`` already keeps the dtype.
+    """
+    opt = halfadam_optimizer(optimizer) or optimizer
+    saved: Dict[str, Any] = {}
+
+    def pre(_opt, state_dict):
+        saved["sd"] = state_dict
+        return None
+
+    def post(_opt):
+        sd = saved.get("sd")
+        if sd is None:
+            return
+        params = [p for g in _opt.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        for p, i in zip(params, ids):
+            src = sd["state"].get(i)
+            dst = _opt.state.get(p)
+            if not src or dst is None:
+                continue
+            for k, v in src.items():
+                cur = dst.get(k)
+                if isinstance(v, Tensor) and isinstance(cur, Tensor) and v.dtype != cur.dtype and k != "step":
+                    dst[k] = v.to(device=cur.device)
+
+    h1 = opt.register_load_state_dict_pre_hook(pre)
+    h2 = opt.register_load_state_dict_post_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None) -> Dict[str, Any]:
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for a halfadam optimizer.
+
+    State is keyed by fully-qualified parameter name; under FSDP2 the tensors (``master_weight``
+    included) are ``DTensor``\\ s, so ``torch.distributed.checkpoint.save`` writes them sharded and
+    ``load`` reshards them. Creates missing state with :func:`init_state` first (no fake step).
+    """
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    init_state(optimizer)
+    return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,
+                             options: Any = None) -> None:
+    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``, keeping fp32 state fp32.
+
+    Typical resume (any number of ranks, any sharding)::
+
+        osd = halfadam.distributed.get_optimizer_state_dict(model, opt)
+        torch.distributed.checkpoint.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        halfadam.distributed.set_optimizer_state_dict(model, opt, osd)
+    """
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    init_state(optimizer)
+    with fp32_state_kept(optimizer):
+        dcp_sd.set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
+
+
+# ---------------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_entry(rank: int, world: int, backend: str, init_method: str, timeout_s: float, threads: int,
+                  fn: Any, args: tuple) -> None:
+    torch.set_num_threads(threads)
+    dist = torch.distributed
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world, *args)
+        # Free fn's DDP/ZeRO/FSDP objects (DDP sits in reference cycles) and let every rank get here
+        # before gloo is torn down: with a DDP module still alive, destroy_process_group was seen to
+        # abort a process now and then ("terminate called without an active exception", torch 2.13).
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Any, nproc: int, *args: Any, backend: str = "gloo", timeout_s: float = 1800.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``nproc`` processes on this machine, in one process group.
+
+    Spawns with ``torch.multiprocessing`` (``fn`` and ``args`` must be picklable: ``fn`` a module-level
+    function), initialises ``backend`` (``"gloo"``: CPU) over TCP on 127.0.0.1 with a free port and
+    ``timeout_s`` for collectives, gives each process ``max(1, cpu_count // nproc)`` threads, and
+    destroys the group at the end. An exception in any process is raised here
+    (``torch.multiprocessing.ProcessRaisedException``). This is what ``halfadam train --nproc N``
+    calls; ``torchrun`` plus :func:`init_from_env` is the equivalent for multi-machine jobs.
+    """
+    if not (isinstance(nproc, int) and nproc >= 1):
+        raise ValueError(f"nproc must be an int >= 1, got {nproc!r}")
+    import torch.multiprocessing as mp
+
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_launch_entry, args=(nproc, backend, init_method, timeout_s, threads, fn, args), nprocs=nproc, join=True)
+
+
+def init_from_env(backend: Optional[str] = None) -> Tuple[int, int]:
+    """Initialise the default process group from ``torchrun``'s environment; returns ``(rank, world_size)``.
+
+    Does nothing and returns ``(0, 1)`` outside ``torchrun`` (no ``WORLD_SIZE`` in the environment)
+    or when the group already exists (then returns its rank and size). ``backend`` defaults to
+    ``"nccl"`` when CUDA is available, else ``"gloo"``.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
