@@ -20,8 +20,8 @@ seams that machinery needs:
 * **Global-norm clipping**: :func:`total_norm` reduces the norms of sharded (``DTensor``) gradients
   across their mesh; replicated gradients (DDP, ZeRO) already give the global norm locally.
 * **Distributed checkpoints**: :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`
-  wrap ``torch.distributed.checkpoint.state_dict``'s functions so that the fp32 state is created
-  without a fake step and stays fp32 when loaded (see their docstrings).
+  wrap ``torch.distributed.checkpoint.state_dict``'s functions so that missing state is created
+  without DCP's fake zero-gradient step (see :func:`init_state`).
 
 Seam for the fused (compiled, flat-buffer) execution: an execution receives ``(param, grad)`` pairs
 and the per-parameter state; call :func:`localize` first (the optimizer does) and it sees ordinary
@@ -33,12 +33,11 @@ stride=param.stride())``.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -53,7 +52,6 @@ __all__ = [
     "all_reduce_found_inf",
     "total_norm",
     "init_state",
-    "fp32_state_kept",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
     "launch",
@@ -198,47 +196,6 @@ def init_state(optimizer: Any) -> None:
             opt._init_state(p, group)
 
 
-@contextlib.contextmanager
-def fp32_state_kept(optimizer: Any) -> Iterator[None]:
-    """Within the block, ``optimizer.load_state_dict`` keeps floating state in its saved dtype.
-
-    ``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor to its parameter's
-    dtype, which would round the fp32 masters and moments of float16/bfloat16 parameters. Within
-    this block a pre/post hook pair puts back the saved tensors (moved to the parameter's device)
-    wherever the dtype changed. It does nothing when ``load_state_dict`` already keeps the dtype.
-    """
-    opt = halfadam_optimizer(optimizer) or optimizer
-    saved: Dict[str, Any] = {}
-
-    def pre(_opt, state_dict):
-        saved["sd"] = state_dict
-        return None
-
-    def post(_opt):
-        sd = saved.get("sd")
-        if sd is None:
-            return
-        params = [p for g in _opt.param_groups for p in g["params"]]
-        ids = [i for g in sd["param_groups"] for i in g["params"]]
-        for p, i in zip(params, ids):
-            src = sd["state"].get(i)
-            dst = _opt.state.get(p)
-            if not src or dst is None:
-                continue
-            for k, v in src.items():
-                cur = dst.get(k)
-                if isinstance(v, Tensor) and isinstance(cur, Tensor) and v.dtype != cur.dtype and k != "step":
-                    dst[k] = v.to(device=cur.device)
-
-    h1 = opt.register_load_state_dict_pre_hook(pre)
-    h2 = opt.register_load_state_dict_post_hook(post)
-    try:
-        yield
-    finally:
-        h1.remove()
-        h2.remove()
-
-
 def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None) -> Dict[str, Any]:
     """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for a halfadam optimizer.
 
@@ -254,7 +211,11 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,
                              options: Any = None) -> None:
-    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``, keeping fp32 state fp32.
+    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` for a halfadam optimizer.
+
+    Creates missing state with :func:`init_state` first (no fake step); the load itself is the
+    optimizer's ``load_state_dict`` (:mod:`halfadam.checkpoint`), which keeps fp32 masters and moments
+    fp32 and copies into the existing (under FSDP2: ``DTensor``) state tensors.
 
     Typical resume (any number of ranks, any sharding)::
 
@@ -265,8 +226,7 @@ def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
     init_state(optimizer)
-    with fp32_state_kept(optimizer):
-        dcp_sd.set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
+    dcp_sd.set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
 
 
 # ---------------------------------------------------------------------------------- launching
