@@ -209,6 +209,8 @@ def scenario_half(rank, out, dtype_name):
         for sc, o in zip(scalers, (opt_a, zero, opt_c)):
             sc.scale(loss.detach())  # the scale tensor exists once scale() ran (all three are equal)
             step_norms.append(sc.clip_grad_norm_(o, clip).item())
+            if o is zero and t == 0:  # the fp32 gradients the scaler made for ZeRO: this rank's shard
+                unscaled = [i for i, p in enumerate(b.parameters()) if p in sc._opt_state(o)["grads"]]
             sc.step(o)
             sc.update()
         norms.append(step_norms)
@@ -216,11 +218,11 @@ def scenario_half(rank, out, dtype_name):
         zero_equal &= same_on_all_ranks(list(b.parameters()))
     masters_a = [opt_a.state[p]["master_weight"].clone() for p in a.parameters()]
     # ZeRO: each rank compares the masters it owns; FSDP2: gathered masters.
-    zero_diff, owned = 0.0, []
+    zero_diff, owned, zero_masters = 0.0, [], {}
     for i, (pa, pb) in enumerate(zip(a.parameters(), b.parameters())):
         if pb in zero.optim.state:
             owned.append(i)
-            m = zero.optim.state[pb]["master_weight"]
+            m = zero_masters[i] = zero.optim.state[pb]["master_weight"].clone()
             zero_diff = max(zero_diff, ((m - masters_a[i]).abs().max() / masters_a[i].abs().max()).item())
     fsdp_diff = max(((full(opt_c.state[pc]["master_weight"]) - ma).abs().max() / ma.abs().max()).item()
                     for pc, ma in zip(c.parameters(), masters_a))
@@ -229,7 +231,7 @@ def scenario_half(rank, out, dtype_name):
         torch.save(zero.state_dict(), out / f"zero_{dtype_name}.pt")
     return {
         "losses": losses, "norms": norms, "replicas_equal": replicas_equal, "zero_params_equal": zero_equal,
-        "zero_owned": owned, "zero_master_diff": zero_diff, "fsdp_master_diff": fsdp_diff,
+        "zero_owned": owned, "zero_unscaled": unscaled, "zero_masters": zero_masters, "zero_master_diff": zero_diff, "fsdp_master_diff": fsdp_diff,
         "masters_a": masters_a, "scales": [s.get_scale() for s in scalers],
         "fsdp_master_dtype": str(opt_c.state[next(iter(c.parameters()))]["master_weight"].dtype),
     }
@@ -260,8 +262,9 @@ def scenario_overflow(rank, out):
             sc.scale(loss).backward()
             inject = t == 2
             if inject and rank == 1:  # after DDP's all-reduce / FSDP's reduce-scatter: this rank only
-                g = next(iter(model.parameters())).grad
-                hd.local(g).view(-1)[0] = float("inf")
+                # ZeRO: in a gradient of this rank's shard (the only ones it unscales and checks).
+                p = opt.optim.param_groups[0]["params"][0] if mode == "zero" else next(iter(model.parameters()))
+                hd.local(p.grad).view(-1)[0] = float("inf")
             before = [v.clone() for v in snapshot(model, opt)] if inject else None
             sc.step(opt)
             sc.update()
@@ -414,6 +417,7 @@ def test_half_replicas_masters_and_loss(runs, dtype_name):
             assert n_fsdp == pytest.approx(n_ddp, rel=1e-5)
         assert len(set(r["scales"])) == 1
     assert sorted(r0["zero_owned"] + r1["zero_owned"]) == [0, 1, 2, 3]
+    assert r0["zero_unscaled"] == r0["zero_owned"] and r1["zero_unscaled"] == r1["zero_owned"]
     for m0, m1 in zip(r0["masters_a"], r1["masters_a"]):
         assert torch.equal(m0, m1)
     _, _, ref_losses = single_run(HALF[dtype_name], scaler=True, clip=1.0)
@@ -423,14 +427,15 @@ def test_half_replicas_masters_and_loss(runs, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
 def test_zero_consolidated_state_loads_on_one_process(runs, dtype_name):
     out, _ = runs
-    r0, _ = result(runs, dtype_name)
+    r0, r1 = result(runs, dtype_name)
+    zero_masters = {**r0["zero_masters"], **r1["zero_masters"]}  # each rank's own shard
     sd = torch.load(out / f"zero_{dtype_name}.pt", weights_only=False)
     model = make_model(HALF[dtype_name])
     opt = make_opt(model.parameters())
     opt.load_state_dict(sd)
-    for p, m in zip(model.parameters(), r0["masters_a"]):
+    for i, p in enumerate(model.parameters()):
         assert opt.state[p]["master_weight"].dtype == torch.float32
-        assert torch.equal(opt.state[p]["master_weight"], m)
+        assert torch.equal(opt.state[p]["master_weight"], zero_masters[i])
         assert opt.state[p]["step"].item() == STEPS
     assert opt.param_groups[0]["global_step"] == STEPS
 

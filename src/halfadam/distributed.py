@@ -8,8 +8,9 @@ seams that machinery needs:
 * **ZeRO-1** (``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=AdamW, ...)``):
   each rank's local halfadam optimizer holds masters and moments for its shard only; ZeRO broadcasts
   the parameters after the step. :func:`halfadam_optimizer` lets :class:`halfadam.GradScaler`
-  recognise the wrapped optimizer and hand it unscaled fp32 gradients (``ZeroRedundancyOptimizer.step``
-  forwards keyword arguments to the local optimizer, which ignores parameters it does not own).
+  recognise the wrapped optimizer and hand it unscaled fp32 gradients of this rank's shard only
+  (``ZeroRedundancyOptimizer.step`` forwards keyword arguments to the local optimizer); the inf/nan
+  flag is agreed and the clipping norm reduced over ZeRO's process group (:func:`zero_process_group`).
 * **FSDP2** (``torch.distributed.fsdp.fully_shard``): parameters are ``DTensor``\\ s; the state
   (``master_weight``, ``exp_avg``, ``exp_avg_sq``) is created from them and so is a ``DTensor``
   sharded like its parameter, which DCP saves sharded. The update math runs on the local shards
@@ -48,6 +49,7 @@ __all__ = [
     "is_dtensor",
     "localize",
     "halfadam_optimizer",
+    "zero_process_group",
     "resolve_process_group",
     "all_reduce_found_inf",
     "total_norm",
@@ -118,6 +120,18 @@ def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
     return None
 
 
+def zero_process_group(optimizer: Any) -> Optional[Any]:
+    """The process group of a ``ZeroRedundancyOptimizer`` around a halfadam optimizer, else ``None``.
+
+    Over this group each rank updates its own shard of the parameters, and ``step`` is a collective:
+    every rank must agree on skipping, and a norm over the shards' gradients is reduced over it.
+    """
+    inner = halfadam_optimizer(optimizer)
+    if inner is None or inner is optimizer:
+        return None
+    return optimizer.process_group
+
+
 def resolve_process_group(process_group: Any) -> Optional[Any]:
     """The process group to agree over, or ``None`` for no agreement.
 
@@ -143,41 +157,55 @@ def all_reduce_found_inf(found_inf: Tensor, process_group: Any) -> Tensor:
     backend's device if needed (gloo: CPU; nccl: the current CUDA device) and back.
     """
     group = resolve_process_group(process_group)
-    if group is None:
-        return found_inf
-    dist = torch.distributed
-    backend = dist.get_backend(group)
-    device = found_inf.device
-    if backend == "nccl" and device.type != "cuda":
-        buf = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
-    elif backend == "gloo" and device.type != "cpu":
-        buf = found_inf.cpu()
-    else:
-        buf = found_inf
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-    if buf is not found_inf:
-        found_inf.copy_(buf.to(device))
+    if group is not None:
+        _all_reduce_(found_inf, torch.distributed.ReduceOp.MAX, group)
     return found_inf
 
 
-def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+def _all_reduce_(t: Tensor, op: Any, group: Any) -> None:
+    """All-reduce ``t`` in place, through a copy on the backend's device when ``t`` is elsewhere."""
+    dist = torch.distributed
+    backend = dist.get_backend(group)
+    device = t.device
+    if backend == "nccl" and device.type != "cuda":
+        buf = t.to(torch.device("cuda", torch.cuda.current_device()))
+    elif backend == "gloo" and device.type != "cpu":
+        buf = t.cpu()
+    else:
+        buf = t
+    dist.all_reduce(buf, op=op, group=group)
+    if buf is not t:
+        t.copy_(buf.to(device))
+
+
+def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any = None) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` together, as a float32 0-d tensor, across shards.
 
-    Plain tensors contribute their local norm (DDP and ZeRO gradients are replicated, so this is the
-    global norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor: their
-    sharded norm is reduced over their mesh (``full_tensor()``), so every rank gets the same value.
+    Plain tensors contribute their local norm (DDP gradients are replicated, so this is the global
+    norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor: their sharded norm
+    is reduced over their mesh (``full_tensor()``), so every rank gets the same value. With
+    ``shard_group`` (ZeRO: each rank holds the gradients of its own parameters) the plain tensors'
+    norm is combined over that group; every rank of it must call this, even with no gradients.
     """
     norm_type = float(norm_type)
-    if not grads:
-        return torch.zeros(())
-    device = local(grads[0]).device
+    device = local(grads[0]).device if grads else torch.device("cpu")
     norms = []
     for g in grads:
         n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
         if is_dtensor(n):
             n = n.full_tensor()
         norms.append(n.to(device))
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+    group = resolve_process_group(shard_group)
+    if group is not None:
+        dist = torch.distributed
+        if norm_type == float("inf"):
+            _all_reduce_(total, dist.ReduceOp.MAX, group)
+        else:
+            powered = total.double() ** norm_type
+            _all_reduce_(powered, dist.ReduceOp.SUM, group)
+            total = (powered ** (1.0 / norm_type)).float()
+    return total
 
 
 # ---------------------------------------------------------------------------------- checkpoints

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .distributed import AUTO, all_reduce_found_inf, halfadam_optimizer, local, total_norm
+from .distributed import AUTO, all_reduce_found_inf, halfadam_optimizer, local, total_norm, zero_process_group
 
 __all__ = ["GradScaler"]
 
@@ -73,8 +73,10 @@ class GradScaler:
             the default process group when ``torch.distributed`` is initialized with world size > 1,
             else none; a ``ProcessGroup``: that group; ``None``: no agreement. With agreement the
             inf/nan flag is all-reduced (MAX) in :meth:`unscale_`, so every rank skips the same step and
-            keeps the same scale. Needed under FSDP2 (each rank sees only its gradient shards) and
-            ZeRO (whose step is collective); harmless under DDP (one 4-byte all-reduce per step).
+            keeps the same scale. Needed under FSDP2 (each rank sees only its gradient shards);
+            harmless under DDP (one 4-byte all-reduce per step). A ZeroRedundancyOptimizer always
+            agrees over its own process group (its step is a collective; each rank checks only the
+            gradients of its shard).
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
@@ -161,7 +163,8 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale / step
     def _opt_state(self, optimizer: Any) -> Dict[str, Any]:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None, "grads": None})
+        return self._per_optimizer.setdefault(
+            id(optimizer), {"stage": _READY, "found_inf": None, "grads": None, "shard_group": None})
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the loss scale and record whether any is inf/nan.
@@ -182,10 +185,17 @@ class GradScaler:
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if halfadam_optimizer(optimizer) is not None:  # also a ZeroRedundancyOptimizer around one
+        inner = halfadam_optimizer(optimizer)
+        # ZeroRedundancyOptimizer: ranks update disjoint shards, and its step is a collective; they
+        # always agree over its process group, and only this rank's shard is unscaled into fp32.
+        zero_group = zero_process_group(optimizer)
+        if inner is not None:
+            if zero_group is not None:
+                params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
             grads = {p: p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float() for p in params}
             _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
             st["grads"] = grads
+            st["shard_group"] = zero_group
         else:
             for p in params:
                 if p.grad.dtype == torch.float16:
@@ -194,7 +204,8 @@ class GradScaler:
                         "Use a halfadam optimizer, which takes unscaled float32 gradients."
                     )
             _unscale_and_check_([p.grad for p in params], inv_scale, found_inf)
-        all_reduce_found_inf(found_inf, self._process_group)  # every rank skips the same steps
+        # Every rank skips the same steps.
+        all_reduce_found_inf(found_inf, self._process_group if zero_group is None else zero_group)
         st["found_inf"] = found_inf
         st["stage"] = _UNSCALED
 
@@ -212,14 +223,18 @@ class GradScaler:
         ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see). Returns the total
         norm before clipping (inf/nan if a gradient overflowed; that step is skipped anyway).
         For sharded (``DTensor``, FSDP2) gradients the norm is that of the whole gradients, reduced
-        across ranks; replicated gradients (DDP, ZeRO) give the global norm locally.
+        across ranks; under a ZeroRedundancyOptimizer the norms of the ranks' shards are combined
+        over its process group; replicated (DDP) gradients give the global norm locally.
         """
         if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
             self.unscale_(optimizer)
+        st = self._opt_state(optimizer)
         grads = self._grads(optimizer)
-        if not grads:
+        shard_group = st["shard_group"] if st["grads"] is not None else None  # ZeRO: this rank's shard
+        if not grads and shard_group is None:
             return torch.zeros(())
-        total = total_norm(grads, norm_type)  # across shards for DTensor (FSDP2) gradients
+        # Across shards: DTensor (FSDP2) gradients over their mesh, ZeRO's shards over its group.
+        total = total_norm(grads, norm_type, shard_group=shard_group)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in map(local, grads):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
