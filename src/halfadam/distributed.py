@@ -188,13 +188,26 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
     norm is combined over that group; every rank of it must call this, even with no gradients.
     """
     norm_type = float(norm_type)
+    inf = norm_type == float("inf")
     device = local(grads[0]).device if grads else torch.device("cpu")
     norms = []
+    sharded: Dict[Any, List[Tensor]] = {}  # 1-D mesh -> local norms of gradients sharded over it
     for g in grads:
+        if is_dtensor(g) and g.device_mesh.ndim == 1 and all(pl.is_shard() for pl in g.placements):
+            # Disjoint shards (FSDP2): combine the local norms with one collective per mesh.
+            sharded.setdefault(g.device_mesh, []).append(
+                torch.linalg.vector_norm(g.to_local(), norm_type, dtype=torch.float32))
+            continue
         n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-        if is_dtensor(n):
+        if is_dtensor(n):  # any other placement: let DTensor reduce it
             n = n.full_tensor()
         norms.append(n.to(device))
+    dist = torch.distributed
+    for mesh, local_norms in sharded.items():
+        part = torch.linalg.vector_norm(torch.stack(local_norms), norm_type)
+        part = part if inf else part.double() ** norm_type
+        _all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, mesh.get_group())
+        norms.append((part if inf else part ** (1.0 / norm_type)).float().to(device))
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
     group = resolve_process_group(shard_group)
     if group is not None:
