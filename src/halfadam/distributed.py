@@ -280,6 +280,8 @@ def _free_port() -> int:
 def _launch_entry(rank: int, world: int, backend: str, init_method: str, timeout_s: float, threads: int,
                   fn: Any, args: tuple) -> None:
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per process
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist = torch.distributed
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
