@@ -9,15 +9,20 @@ rebinding ``param.data``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .functional import adam_update_
+from .buckets import Bucket
+from .functional import adam_coefficients, adam_elementwise_, adam_update_
 
-__all__ = ["Hyperparameters", "reference_step"]
+__all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
+
+#: Accepted values of the optimizers' ``implementation`` argument.
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "reference")
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,8 @@ class Hyperparameters:
     optimized_update: bool
 
 
-def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters) -> None:
+def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
+                   grad_scale: Optional[Tensor] = None) -> None:
     """The readable definition: one :func:`adam_update_` call per parameter.
 
     For a parameter with a master weight the update runs on ``state["master_weight"]`` and the result
@@ -42,6 +48,8 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
     temporary fp32 copy (the "fp32 compute, no master" baseline, which loses updates below half an ulp).
     """
     for param, grad in pairs:
+        if grad_scale is not None:
+            grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
         st["step"] += 1
         master = st.get("master_weight")
@@ -63,3 +71,88 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         )
         if weight is not param:
             param.copy_(weight)
+
+
+# ---------------------------------------------------------------------------------------- flat paths
+def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Optional[Tensor],
+                 decay_factor: Tensor, l2: Tensor, step_size: Tensor, sqrt_bias_correction2: Tensor,
+                 grad_scale: Optional[Tensor], beta1: float, beta2: float, eps: float, decay: str,
+                 optimized_update: bool) -> None:
+    """One bucket's update over flat buffers: unscale, :func:`adam_elementwise_`, write the parameters.
+
+    ``weight`` (float32, updated in place) is the flat master buffer, or the flat copy of float32
+    parameters; ``grad`` is the flat gradient in any float dtype; ``out`` (or ``None``) receives the
+    new weights rounded to the parameters' dtype. Every changing value is a 0-d tensor, so the
+    compiled form is reused for any learning rate, weight decay, step or loss scale.
+    """
+    g = grad.to(torch.float32)
+    if grad_scale is not None:
+        g = g * grad_scale
+    adam_elementwise_(weight, g, exp_avg, exp_avg_sq, decay_factor, l2, step_size, sqrt_bias_correction2,
+                      beta1=beta1, beta2=beta2, eps=eps, decay=decay, optimized_update=optimized_update)
+    if out is not None:
+        out.copy_(weight)
+
+
+_compiled_kernel = None
+_compile_failed: Optional[str] = None
+
+
+def _get_compiled():
+    global _compiled_kernel
+    if _compiled_kernel is None:
+        # dynamic=True: one graph serves every bucket size; the sizes enter the kernel as arguments.
+        _compiled_kernel = torch.compile(_flat_kernel, dynamic=True, fullgraph=True)
+    return _compiled_kernel
+
+
+def compile_available() -> bool:
+    """False once a compilation has failed in this process (``auto`` then runs ``foreach``)."""
+    return _compile_failed is None
+
+
+def _run_kernel(implementation: str, *args, **kwargs) -> None:
+    global _compile_failed
+    if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
+        try:
+            _get_compiled()(*args, **kwargs)
+            return
+        except Exception as exc:  # no C++ compiler / Triton, unsupported backend...
+            if implementation == "fused":
+                raise
+            _compile_failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                "halfadam: torch.compile of the fused step failed; implementation='auto' falls back to "
+                f"'foreach' for the rest of this process ({_compile_failed.splitlines()[0][:200]})",
+                RuntimeWarning, stacklevel=4)
+    _flat_kernel(*args, **kwargs)
+
+
+def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implementation: str,
+              grad_scale: Optional[Tensor] = None) -> None:
+    """One step for every parameter of ``bucket`` (all have a gradient and the same step count).
+
+    ``grads`` are in the bucket's layout order. ``implementation`` is ``"fused"`` (the kernel compiled
+    by ``torch.compile``: Inductor C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run
+    eagerly: one op per bucket instead of one per tensor) or ``"auto"`` (fused, or foreach when
+    compiling is impossible here).
+    """
+    device = bucket.device
+    dtypes = {g.dtype for g in grads}
+    gdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    flat_grad = bucket.gather([g.to(gdtype) for g in grads] if dtypes else grads, bucket.grad_buffer(gdtype))
+    bucket.steps.add_(1)
+    f64 = dict(dtype=torch.float64, device=device)
+    coefficients = adam_coefficients(
+        step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
+        weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay, optimized_update=hp.optimized_update)
+    if bucket.master is not None:
+        weight, out = bucket.master, bucket.out
+    else:
+        weight, out = bucket.gather(bucket.params, bucket.out), None
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
+    _run_kernel(implementation, weight, flat_grad, bucket.exp_avg, bucket.exp_avg_sq, out, *coefficients,
+                grad_scale, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, decay=hp.decay,
+                optimized_update=hp.optimized_update)
+    bucket.scatter_out()
