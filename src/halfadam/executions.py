@@ -49,7 +49,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
     """
     for param, grad in pairs:
         if grad_scale is not None:
-            grad = grad.to(torch.float32) * grad_scale.to(grad.device)
+            grad = grad.to(torch.float32) * grad_scale.to(device=grad.device, dtype=torch.float32).reshape(())
         st = state[param]
         st["step"] += 1
         master = st.get("master_weight")

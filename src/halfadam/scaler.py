@@ -69,6 +69,16 @@ class GradScaler:
         growth_interval: clean steps (int > 0) between growths.
         enabled: ``False`` makes every method a pass-through (``scale`` returns its input, ``step``
             calls ``optimizer.step()``).
+        max_grad_norm: if given (a number > 0), :meth:`step` clips the gradients to this global L2
+            norm, computed in float32 after unscaling, over each optimizer's gradients (as
+            ``clip_grad_norm_`` would, without a separate call). ``None`` (default): no clipping.
+
+    The fused hand-over: when :meth:`step` is called on a halfadam optimizer without a prior
+    :meth:`unscale_`, the gradients are not unscaled into new tensors. One pass over the raw
+    (scaled) gradients computes their float32 global norm, which is inf/nan exactly when a gradient
+    is; if finite, ``optimizer.step(grad_scale=inv_scale * clip_coefficient)`` unscales, clips and
+    updates while reading each gradient once more (inside the fused kernel). Call :meth:`unscale_`
+    yourself only if you need the unscaled gradients (e.g. for your own clipping).
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
@@ -91,6 +101,7 @@ class GradScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        max_grad_norm: Optional[float] = None,
     ):
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
@@ -100,6 +111,14 @@ class GradScaler:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if not (isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval > 0):
             raise ValueError(f"growth_interval must be an int > 0, got {growth_interval!r}")
+        if max_grad_norm is not None and not (
+                isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+                and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        #: The global gradient norm (unscaled, before clipping) of the last :meth:`step` that clipped
+        #: through ``max_grad_norm``, a 0-d float32 tensor; ``None`` before.
+        self.last_grad_norm: Optional[Tensor] = None
         self._device = None if device is None else torch.device(device)
         self._init_scale = float(init_scale)
         self._growth_factor = float(growth_factor)
@@ -226,14 +245,47 @@ class GradScaler:
         st = self._opt_state(optimizer)
         if st["stage"] is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if st["stage"] is _READY and isinstance(optimizer, _AdamBase) and self._scale is not None:
+            return self._fused_step(optimizer, st, *args, **kwargs)
         if st["stage"] is _READY:
             self.unscale_(optimizer)
+        if self._max_grad_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
         if st["found_inf"].item() == 0.0:
             if st["grads"] is not None:
                 result = optimizer.step(*args, grads=st["grads"], **kwargs)
             else:
                 result = optimizer.step(*args, **kwargs)
+        st["grads"] = None
+        st["stage"] = _STEPPED
+        return result
+
+    def _fused_step(self, optimizer: _AdamBase, st: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Check, (clip) and step reading the scaled gradients, never writing unscaled copies.
+
+        The float32 norm of the raw gradients is inf/nan exactly when one of them is (squares of
+        finite float16 values cannot overflow float32), so one reduction gives both the inf check
+        and the clipping norm. The optimizer multiplies each gradient by ``grad_scale`` as it reads it.
+        """
+        inv_scale = self._scale.double().reciprocal().float()
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        device = self._scale.device
+        norms = []
+        by_device: Dict[Any, List[Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        for ts in by_device.values():
+            norms += [n.to(device) for n in torch._foreach_norm(ts, 2.0, dtype=torch.float32)]
+        total = (torch.linalg.vector_norm(torch.stack(norms)) * inv_scale).reshape(()) if norms else torch.zeros((), device=device)
+        st["found_inf"] = (~torch.isfinite(total)).float().reshape(1)
+        grad_scale = inv_scale
+        if self._max_grad_norm is not None:
+            self.last_grad_norm = total
+            grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
+        result = None
+        if st["found_inf"].item() == 0.0:
+            result = optimizer.step(*args, grad_scale=grad_scale, **kwargs)
         st["grads"] = None
         st["stage"] = _STEPPED
         return result
