@@ -66,6 +66,7 @@ class Bucket:
         self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
         self.out = torch.empty(total, dtype=self.dtype, device=self.device)
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
+        self._views: Dict[int, List[Tensor]] = {}
         self.index = {id(p): i for i, p in enumerate(params)}
 
     def view(self, flat: Tensor, i: int) -> Tensor:
@@ -73,7 +74,11 @@ class Bucket:
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
 
     def views(self, flat: Tensor) -> List[Tensor]:
-        return [self.view(flat, i) for i in range(len(self.params))]
+        """Every parameter's view of ``flat`` (one of this bucket's buffers; cached)."""
+        cached = self._views.get(id(flat))
+        if cached is None:
+            cached = self._views[id(flat)] = [self.view(flat, i) for i in range(len(self.params))]
+        return cached
 
     def attach(self, state: dict, i: int) -> None:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
@@ -117,7 +122,7 @@ class Bucket:
 
     def gather(self, tensors: List[Tensor], out: Tensor) -> Tensor:
         """Copy per-parameter ``tensors`` (in layout order) into the flat ``out`` and return it."""
-        torch.cat([t.reshape(-1) for t in tensors], out=out)
+        torch._foreach_copy_(self.views(out), tensors)
         return out
 
     def scatter_out(self) -> None:

@@ -138,9 +138,10 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
     compiling is impossible here).
     """
     device = bucket.device
-    dtypes = {g.dtype for g in grads}
-    gdtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    flat_grad = bucket.gather([g.to(gdtype) for g in grads] if dtypes else grads, bucket.grad_buffer(gdtype))
+    gdtype = grads[0].dtype
+    if any(g.dtype != gdtype for g in grads):
+        gdtype = torch.float32  # mixed gradient dtypes: gather (converting) into a float32 buffer
+    flat_grad = bucket.gather(grads, bucket.grad_buffer(gdtype))
     bucket.steps.add_(1)
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
