@@ -122,6 +122,7 @@ def run(args) -> List[Dict[str, Any]]:
             if label["impl"] == "torch fused":
                 torch_fused = t
             rows.append(dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
+                             threads=torch.get_num_threads(),
                              **label, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
                              gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
                              first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20))
@@ -130,7 +131,7 @@ def run(args) -> List[Dict[str, Any]]:
                 row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused
         ref = {r["dtype"]: r["ms"] for r in rows if r["case"] == case["name"] and r["impl"] == "halfadam reference"}
         for row in rows:
-            if row["case"] == case["name"] and row["dtype"] in ref:
+            if row["case"] == case["name"] and row["dtype"] in ref and row["impl"].startswith("halfadam"):
                 row["speedup_vs_reference"] = ref[row["dtype"]] / row["ms"]
         del configs
         gc.collect()
@@ -163,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS), help="reference,foreach,fused")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (the first compiles)")
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds; the median is reported")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the run (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     return parser
 
@@ -188,6 +191,8 @@ def _run_cli(args) -> int:
         if i not in IMPLS:
             print(f"halfadam bench: unknown implementation {i!r} (choose from {list(IMPLS)})", file=sys.stderr)
             return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows = run(args)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -1,0 +1,79 @@
+"""Where the time of a fused mixed-precision step goes (CPU), against torch.optim.AdamW(fused=True).
+
+    PYTHONPATH=src python benchmarks/profile_fused.py [--numel 20000000] [--tensors 50] [--threads N]
+
+Times, round-robin in one run (median of --repeat): the whole halfadam fused step on fp16 parameters;
+its parts (gradient gather into the flat buffer, the per-step scalars, the compiled kernel, the copy of
+the rounded values into the parameters); torch's fused AdamW on fp32 parameters; and a plain copy of
+28 B/param (the memory-bandwidth floor).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import halfadam
+from halfadam import executions
+from halfadam.bench import _make_params
+from halfadam.functional import adam_coefficients
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=20_000_000)
+    ap.add_argument("--tensors", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    n = a.numel
+    ps = _make_params(n, a.tensors, torch.float16, "cpu", 0)
+    opt = halfadam.AdamW(ps, lr=1e-3, weight_decay=0.01, implementation="fused")
+    opt.step()
+    b = opt._group_layout(opt.param_groups[0]).buckets[0]
+    grads = [p.grad for p in ps]
+    flat_grad = b.grad_buffer(torch.float16)
+    f64 = dict(dtype=torch.float64)
+    kernel = executions._get_compiled()
+
+    def coeffs():
+        return adam_coefficients(step=b.steps[0].to(**f64), lr=torch.tensor(1e-3, **f64), beta1=0.9, beta2=0.999,
+                                 weight_decay=torch.tensor(0.01, **f64))
+
+    c = coeffs()
+    tp = _make_params(n, a.tensors, torch.float32, "cpu", 0)
+    topt = torch.optim.AdamW(tp, lr=1e-3, weight_decay=0.01, fused=True)
+    topt.step()
+    src = torch.empty(n * 7, dtype=torch.float32)  # 28 B/param: read 14 B, write 14 B
+    dst = torch.empty_like(src[: n * 7 // 2])
+    parts = {
+        "halfadam fused step (fp16 params)": opt.step,
+        "  gather grads -> flat (foreach_copy)": lambda: b.gather(grads, flat_grad),
+        "  per-step scalars (eager 0-d ops)": coeffs,
+        "  compiled kernel (flat, 28 B/param)": lambda: kernel(b.master, flat_grad, b.exp_avg, b.exp_avg_sq, b.out,
+                                                                *c, None, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                                decay="decoupled", optimized_update=False),
+        "  copy out -> params (foreach_copy)": b.scatter_out,
+        "torch.optim.AdamW(fused=True) fp32": topt.step,
+        "copy 14 B/param -> 14 B/param (bandwidth floor)": lambda: dst.copy_(src[: n * 7 // 2]),
+    }
+    times = {k: [] for k in parts}
+    for r in range(a.repeat + 2):
+        for k, f in parts.items():
+            t = time.perf_counter()
+            f()
+            dt = time.perf_counter() - t
+            if r >= 2:
+                times[k].append(dt)
+    base = statistics.median(times["torch.optim.AdamW(fused=True) fp32"])
+    print(f"{n} params in {a.tensors} tensors, {torch.get_num_threads()} threads")
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        print(f"{k:52s} {t * 1e3:8.2f} ms  {t / n * 1e9:6.3f} ns/param  {t / base:5.2f}x torch fused")
+
+
+if __name__ == "__main__":
+    main()
