@@ -125,7 +125,20 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
                 "halfadam: torch.compile of the fused step failed; implementation='auto' falls back to "
                 f"'foreach' for the rest of this process ({_compile_failed.splitlines()[0][:200]})",
                 RuntimeWarning, stacklevel=4)
-    _flat_kernel(*args, **kwargs)
+    _eager_chunks(*args, **kwargs)
+
+
+#: Elements per eager chunk: the temporaries of one chunk (1 MiB each) stay in cache, and large
+#: flat buffers do not allocate (and page-fault) full-size temporaries on every op.
+EAGER_CHUNK = 1 << 18
+
+
+def _eager_chunks(weight, grad, exp_avg, exp_avg_sq, out, *rest, **kwargs) -> None:
+    """:func:`_flat_kernel` run eagerly, chunk by chunk over the flat buffers (the foreach path)."""
+    n = weight.numel()
+    for start in range(0, n, EAGER_CHUNK):
+        s = slice(start, min(start + EAGER_CHUNK, n))
+        _flat_kernel(weight[s], grad[s], exp_avg[s], exp_avg_sq[s], None if out is None else out[s], *rest, **kwargs)
 
 
 def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implementation: str,
@@ -134,7 +147,8 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
 
     ``grads`` are in the bucket's layout order. ``implementation`` is ``"fused"`` (the kernel compiled
     by ``torch.compile``: Inductor C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run
-    eagerly: one op per bucket instead of one per tensor) or ``"auto"`` (fused, or foreach when
+    eagerly over the flat buffers in chunks of :data:`EAGER_CHUNK` elements: a few ops per chunk
+    instead of per tensor) or ``"auto"`` (fused, or foreach when
     compiling is impossible here).
     """
     device = bucket.device
