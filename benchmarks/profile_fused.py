@@ -3,9 +3,9 @@
     PYTHONPATH=src python benchmarks/profile_fused.py [--numel 20000000] [--tensors 50] [--threads N]
 
 Times, round-robin in one run (median of --repeat): the whole halfadam fused step on fp16 parameters;
-its parts (gradient gather into the flat buffer, the per-step scalars, the compiled kernel, the copy of
-the rounded values into the parameters); torch's fused AdamW on fp32 parameters; and a plain copy of
-28 B/param (the memory-bandwidth floor).
+its parts (the per-step scalars, the compiled kernel called once per parameter as the step does); the
+same kernel over one flat buffer; torch's fused AdamW on fp32 parameters; and a plain copy of 28 B/param
+(the memory-bandwidth floor). The step minus its parts is Python and dispatch overhead.
 """
 
 import argparse
@@ -35,15 +35,23 @@ def main():
     opt.step()
     b = opt._group_layout(opt.param_groups[0]).buckets[0]
     grads = [p.grad for p in ps]
-    flat_grad = b.grad_buffer(torch.float16)
     f64 = dict(dtype=torch.float64)
-    kernel = executions._get_compiled()
+    kernel = executions._get_compiled(("profile",))
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, decay="decoupled", optimized_update=False)
 
     def coeffs():
         return adam_coefficients(step=b.steps[0].to(**f64), lr=torch.tensor(1e-3, **f64), beta1=0.9, beta2=0.999,
                                  weight_decay=torch.tensor(0.01, **f64))
 
     c = coeffs()
+
+    def per_param_kernels():  # what the step runs: one call per (large) parameter, in place
+        for i, (p, g) in enumerate(zip(ps, grads)):
+            s = slice(b.offsets[i], b.offsets[i] + b.numels[i])
+            kernel(b.master[s], g.view(-1), b.exp_avg[s], b.exp_avg_sq[s], p.detach().view(-1), *c, None, **kw)
+
+    flat_grad = torch.cat([g.view(-1) for g in grads])
+    flat_out = torch.empty(n, dtype=torch.float16)
     tp = _make_params(n, a.tensors, torch.float32, "cpu", 0)
     topt = torch.optim.AdamW(tp, lr=1e-3, weight_decay=0.01, fused=True)
     topt.step()
@@ -51,12 +59,10 @@ def main():
     dst = torch.empty_like(src[: n * 7 // 2])
     parts = {
         "halfadam fused step (fp16 params)": opt.step,
-        "  gather grads -> flat (foreach_copy)": lambda: b.gather(grads, flat_grad),
         "  per-step scalars (eager 0-d ops)": coeffs,
-        "  compiled kernel (flat, 28 B/param)": lambda: kernel(b.master, flat_grad, b.exp_avg, b.exp_avg_sq, b.out,
-                                                                *c, None, beta1=0.9, beta2=0.999, eps=1e-8,
-                                                                decay="decoupled", optimized_update=False),
-        "  copy out -> params (foreach_copy)": b.scatter_out,
+        "  compiled kernel, one call per parameter": per_param_kernels,
+        "(same kernel over one flat buffer)": lambda: kernel(b.master, flat_grad, b.exp_avg, b.exp_avg_sq, flat_out,
+                                                             *c, None, **kw),
         "torch.optim.AdamW(fused=True) fp32": topt.step,
         "copy 14 B/param -> 14 B/param (bandwidth floor)": lambda: dst.copy_(src[: n * 7 // 2]),
     }

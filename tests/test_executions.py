@@ -78,6 +78,19 @@ def test_matches_reference(cls, impl, dtype):
     _assert_close(ref, other)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", FLAT_IMPLS)
+def test_direct_and_packed_segments_match_reference(impl, dtype, monkeypatch):
+    """Large parameters are updated by their own kernel call in place; small ones are packed."""
+    monkeypatch.setattr(executions, "DIRECT_MIN_NUMEL", 10)  # (3,4) and (2,3,5) direct; (7,) and () packed
+    params = _params(dtype)
+    assert [d for _, _, d in executions._segments(Bucket(params, dtype != torch.float32), [p for p in params])] == \
+        [True, False, True, False, True, False, True, False]
+    _assert_close(_run(halfadam.AdamW, dtype, "reference"), _run(halfadam.AdamW, dtype, impl))
+    scaled = _scaler_run(impl, max_grad_norm=0.5, dtype=dtype)
+    _assert_close(_scaler_run("reference", explicit_unscale=True, max_grad_norm=0.5, dtype=dtype)[:2], scaled[:2])
+
+
 @pytest.mark.parametrize("impl", FLAT_IMPLS)
 def test_params_without_grads_fall_back(impl, monkeypatch):
     calls = []
@@ -139,7 +152,7 @@ def test_implementation_validated():
 def test_auto_falls_back_to_foreach_when_compile_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr(executions, "_get_compiled", lambda: broken)
+    monkeypatch.setattr(executions, "_get_compiled", lambda *a: broken)
     monkeypatch.setattr(executions, "_compile_failed", None)
     with pytest.warns(RuntimeWarning, match="falls back to 'foreach'"):
         auto = _run(halfadam.AdamW, torch.float16, "auto", steps=4)

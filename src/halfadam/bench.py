@@ -77,8 +77,7 @@ def _memory_bytes(opt: torch.optim.Optimizer) -> int:
             add(v)
     for layout in getattr(opt, "_layouts", {}).values():
         for b in layout.buckets:
-            add(b.out)
-            for buf in b._grad_buffers.values():
+            for buf in b.scratch_buffers():
                 add(buf)
     return total
 

@@ -43,8 +43,9 @@ class Bucket:
             the parameter itself is the weight).
         exp_avg, exp_avg_sq: flat float32 moments.
         steps: float32 tensor of ``len(params)`` step counts; ``state[p]["step"]`` is a 0-d view.
-        out: flat buffer of the parameters' dtype the kernel writes the new parameter values into
-            (then copied into the parameters, whose storage is never changed).
+        out: flat buffer of the parameters' dtype the kernel writes the new values of small
+            parameters into (then copied into the parameters, whose storage is never changed);
+            allocated on first use (large parameters are written directly).
     """
 
     def __init__(self, params: List[Tensor], use_master: bool):
@@ -64,10 +65,20 @@ class Bucket:
         self.exp_avg = torch.zeros(total, **f32)
         self.exp_avg_sq = torch.zeros(total, **f32)
         self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
-        self.out = torch.empty(total, dtype=self.dtype, device=self.device)
+        self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
         self.index = {id(p): i for i, p in enumerate(params)}
+
+    @property
+    def out(self) -> Tensor:
+        if self._out is None:
+            self._out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self._out
+
+    def scratch_buffers(self) -> List[Tensor]:
+        """The flat scratch buffers allocated so far (gradient gathering, parameter output)."""
+        return list(self._grad_buffers.values()) + ([] if self._out is None else [self._out])
 
     def view(self, flat: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s view of a flat buffer, in the parameter's shape."""

@@ -9,6 +9,7 @@ rebinding ``param.data``.
 
 from __future__ import annotations
 
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -94,16 +95,25 @@ def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         out.copy_(weight)
 
 
-_compiled_kernel = None
+_compiled_kernels: Dict[tuple, object] = {}
 _compile_failed: Optional[str] = None
 
 
-def _get_compiled():
-    global _compiled_kernel
-    if _compiled_kernel is None:
-        # dynamic=True: one graph serves every bucket size; the sizes enter the kernel as arguments.
-        _compiled_kernel = torch.compile(_flat_kernel, dynamic=True, fullgraph=True)
-    return _compiled_kernel
+def _get_compiled(key: tuple = ()):
+    """The compiled :func:`_flat_kernel` for one variant (dtypes, decay mode, constants...).
+
+    ``dynamic=True``: one graph serves every size (sizes are kernel arguments), and the values that
+    change every step are 0-d tensors, so a variant compiles once. Each variant gets its own copy of
+    the function's code object, hence its own Dynamo cache and recompile limit: a process mixing
+    float16, bfloat16 and float32 buckets, scaler and no scaler, never hits the shared limit.
+    """
+    fn = _compiled_kernels.get(key)
+    if fn is None:
+        code = _flat_kernel.__code__.replace(co_name=f"_flat_kernel_{len(_compiled_kernels)}")
+        variant = types.FunctionType(code, _flat_kernel.__globals__, code.co_name, _flat_kernel.__defaults__,
+                                     _flat_kernel.__closure__)
+        fn = _compiled_kernels[key] = torch.compile(variant, dynamic=True, fullgraph=True)
+    return fn
 
 
 def compile_available() -> bool:
@@ -115,7 +125,10 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     global _compile_failed
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
-            _get_compiled()(*args, **kwargs)
+            weight, grad, _, _, out = args[:5]
+            key = (weight.device.type, grad.dtype, None if out is None else out.dtype, args[9] is None,
+                   tuple(sorted(kwargs.items())))
+            _get_compiled(key)(*args, **kwargs)
             return
         except Exception as exc:  # no C++ compiler / Triton, unsupported backend...
             if implementation == "fused":
@@ -152,22 +165,56 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
     compiling is impossible here).
     """
     device = bucket.device
-    gdtype = grads[0].dtype
-    if any(g.dtype != gdtype for g in grads):
-        gdtype = torch.float32  # mixed gradient dtypes: gather (converting) into a float32 buffer
-    flat_grad = bucket.gather(grads, bucket.grad_buffer(gdtype))
     bucket.steps.add_(1)
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
         step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
         weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay, optimized_update=hp.optimized_update)
-    if bucket.master is not None:
-        weight, out = bucket.master, bucket.out
-    else:
-        weight, out = bucket.gather(bucket.params, bucket.out), None
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
-    _run_kernel(implementation, weight, flat_grad, bucket.exp_avg, bucket.exp_avg_sq, out, *coefficients,
-                grad_scale, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, decay=hp.decay,
-                optimized_update=hp.optimized_update)
-    bucket.scatter_out()
+    rest = dict(beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, decay=hp.decay, optimized_update=hp.optimized_update)
+    for i, j, direct in _segments(bucket, grads):
+        a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.numels[j - 1]
+        m, v = bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b]
+        if direct:  # one large parameter: read its gradient and write it in place, no copies
+            param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
+            if bucket.master is not None:
+                _run_kernel(implementation, bucket.master[a:b], grad, m, v, param, *coefficients, grad_scale, **rest)
+            else:
+                _run_kernel(implementation, param, grad, m, v, None, *coefficients, grad_scale, **rest)
+            continue
+        # a run of smaller parameters: gather their gradients into the flat buffer, one kernel call,
+        # copy the results into the parameters
+        seg_grads = grads[i:j]
+        gdtype = seg_grads[0].dtype
+        if any(g.dtype != gdtype for g in seg_grads):
+            gdtype = torch.float32  # mixed gradient dtypes: gather (converting) into a float32 buffer
+        buf = bucket.grad_buffer(gdtype)
+        torch._foreach_copy_(bucket.views(buf)[i:j], seg_grads)
+        out_views = bucket.views(bucket.out)[i:j]
+        if bucket.master is not None:
+            weight, out = bucket.master[a:b], bucket.out[a:b]
+        else:
+            torch._foreach_copy_(out_views, bucket.params[i:j])
+            weight, out = bucket.out[a:b], None
+        _run_kernel(implementation, weight, buf[a:b], m, v, out, *coefficients, grad_scale, **rest)
+        torch._foreach_copy_(bucket.params[i:j], out_views)
+
+
+#: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own
+#: kernel call reading the gradient and writing the parameter directly; smaller ones are packed.
+DIRECT_MIN_NUMEL = 1 << 16
+
+
+def _segments(bucket: Bucket, grads: List[Tensor]):
+    """Split the bucket into ``(i, j, direct)`` runs of parameters ``i:j`` (direct: one large one)."""
+    segments, start = [], 0
+    for k, (p, g) in enumerate(zip(bucket.params, grads)):
+        if bucket.numels[k] >= DIRECT_MIN_NUMEL and p.is_contiguous() and g.is_contiguous():
+            if start < k:
+                segments.append((start, k, False))
+            segments.append((k, k + 1, True))
+            start = k + 1
+    if start < len(bucket.params):
+        segments.append((start, len(bucket.params), False))
+    return segments
