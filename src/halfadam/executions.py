@@ -1,5 +1,11 @@
 """Ways to run :func:`halfadam.functional.adam_update_` over a parameter group.
 
+* :func:`reference_step`: one ``adam_update_`` call per parameter (the readable definition and the
+  fallback for anything unusual);
+* :func:`flat_step` over a :class:`halfadam.buckets.Bucket`: ``adam_coefficients`` eagerly (a few 0-d
+  float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
+  compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``).
+
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
 It advances ``state["step"]``, updates the fp32 master weights (or fp32 parameters) and moments, and
@@ -141,9 +147,9 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     _eager_chunks(*args, **kwargs)
 
 
-#: Elements per eager chunk: the temporaries of one chunk (1 MiB each) stay in cache, and large
+#: Elements per eager chunk: the temporaries of one chunk (256 KiB each) stay in cache, and large
 #: flat buffers do not allocate (and page-fault) full-size temporaries on every op.
-EAGER_CHUNK = 1 << 18
+EAGER_CHUNK = 1 << 16
 
 
 def _eager_chunks(weight, grad, exp_avg, exp_avg_sq, out, *rest, **kwargs) -> None:
