@@ -12,8 +12,9 @@ mixed-precision or fp32 AdamW step must move (read grad, read+write weight, mome
 the ratio to ``torch.optim.AdamW(fused=True)`` on fp32; and the optimizer's memory (state plus its
 flat scratch buffers, distinct storages counted once).
 
-Use ``python -m halfadam.bench`` or ``python benchmarks/bench_step.py``; the CLI wires it as
-``halfadam bench`` (see :func:`add_parser`).
+Use ``python -m halfadam.bench`` or ``python benchmarks/bench_step.py``. The module follows the
+``halfadam.cli`` command protocol (``HELP``, ``add_arguments(parser)``, ``run(args) -> int``), so
+``halfadam bench`` is the entry ``"bench": "halfadam.bench"`` in ``halfadam.cli.COMMANDS``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+#: One-line summary (the ``halfadam.cli`` command protocol).
+HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
 
 BYTES_PER_PARAM = 28
 IMPLS = ("reference", "foreach", "fused")
@@ -87,7 +91,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(args) -> List[Dict[str, Any]]:
+def measure(args) -> List[Dict[str, Any]]:
+    """Time every configuration; returns one dict per (case, implementation, dtype)."""
     import halfadam
 
     rows = []
@@ -174,11 +179,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="time one optimizer step against torch.optim.AdamW",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    p.set_defaults(func=_run_cli)
+    p.set_defaults(func=run)
     return p
 
 
-def _run_cli(args) -> int:
+def run(args) -> int:
+    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status."""
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("halfadam bench: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
@@ -192,7 +198,7 @@ def _run_cli(args) -> int:
             return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    rows = run(args)
+    rows = measure(args)
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0
@@ -201,7 +207,7 @@ def _run_cli(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``halfadam bench`` as a standalone program: ``python -m halfadam.bench [options]``."""
     parser = add_arguments(argparse.ArgumentParser(prog="halfadam bench", description=__doc__.split("\n\n")[0]))
-    return _run_cli(parser.parse_args(argv))
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
