@@ -255,3 +255,19 @@ def test_bucket_layout_roundtrip():
 def test_cuda_matches_reference(impl, dtype):
     _assert_close(_run(halfadam.AdamW, dtype, "reference", device="cuda"),
                   _run(halfadam.AdamW, dtype, impl, device="cuda"))
+
+
+def test_deepcopy_keeps_implementation_and_rebuilds_views():
+    params, opt = _run(halfadam.AdamW, torch.float16, "foreach", steps=2)
+    clone = copy.deepcopy(opt)
+    assert clone.implementation == "foreach"
+    cparams = [p for g in clone.param_groups for p in g["params"]]
+    for p, q in zip([p for g in opt.param_groups for p in g["params"]], cparams):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    opt.step()
+    clone.step()
+    for p, q in zip([p for g in opt.param_groups for p in g["params"]], cparams):
+        assert torch.equal(opt.state[p]["master_weight"], clone.state[q]["master_weight"])
+    bucket = clone._group_layout(clone.param_groups[0]).buckets[0]
+    assert bucket.is_attached(clone.state[bucket.params[0]], 0)

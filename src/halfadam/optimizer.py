@@ -93,6 +93,19 @@ class _AdamBase(torch.optim.Optimizer):
         self._order_params: Optional[List[Tensor]] = order_params
         super().__init__(groups, defaults)
 
+    def __getstate__(self) -> Dict[str, Any]:  # torch keeps only defaults, state and param_groups
+        state = super().__getstate__()
+        state["implementation"] = self.implementation
+        state["_order_params"] = self._order_params
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        self.implementation = state.pop("implementation", "auto")
+        self._order_params = state.pop("_order_params", None)
+        self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
+        super().__setstate__(state)
+
     # ------------------------------------------------------------------ groups
     def _normalize_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
         """Validate one parameter group and turn its hyperparameters into their stored form."""
