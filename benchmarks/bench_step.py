@@ -4,8 +4,11 @@
 """
 
 import sys
+from pathlib import Path
 
-from halfadam.bench import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's halfadam
+
+from halfadam.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

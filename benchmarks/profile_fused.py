@@ -10,9 +10,13 @@ same kernel over one flat buffer; torch's fused AdamW on fp32 parameters; and a 
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's halfadam
 
 import halfadam
 from halfadam import executions
