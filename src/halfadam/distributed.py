@@ -191,8 +191,12 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
     inf = norm_type == float("inf")
     device = local(grads[0]).device if grads else torch.device("cpu")
     norms = []
+    plain: Dict[Any, List[Tensor]] = {}  # device -> plain (non-DTensor) gradients
     sharded: Dict[Any, List[Tensor]] = {}  # 1-D mesh -> local norms of gradients sharded over it
     for g in grads:
+        if not is_dtensor(g):
+            plain.setdefault(g.device, []).append(g)
+            continue
         if is_dtensor(g) and g.device_mesh.ndim == 1 and all(pl.is_shard() for pl in g.placements):
             # Disjoint shards (FSDP2): combine the local norms with one collective per mesh.
             sharded.setdefault(g.device_mesh, []).append(
@@ -202,6 +206,12 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
         if is_dtensor(n):  # any other placement: let DTensor reduce it
             n = n.full_tensor()
         norms.append(n.to(device))
+    foreach_norm = getattr(torch, "_foreach_norm", None)  # one kernel per device for many tensors
+    for ts in plain.values():
+        if foreach_norm is not None:
+            norms += [n.to(device) for n in foreach_norm(ts, norm_type, dtype=torch.float32)]
+        else:
+            norms += [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in ts]
     dist = torch.distributed
     for mesh, local_norms in sharded.items():
         part = torch.linalg.vector_norm(torch.stack(local_norms), norm_type)

@@ -1,5 +1,11 @@
 """Ways to run :func:`halfadam.functional.adam_update_` over a parameter group.
 
+* :func:`reference_step`: one ``adam_update_`` call per parameter (the readable definition and the
+  fallback for anything unusual);
+* :func:`flat_step` over a :class:`halfadam.buckets.Bucket`: ``adam_coefficients`` eagerly (a few 0-d
+  float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
+  compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``).
+
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
 It advances ``state["step"]``, updates the fp32 master weights (or fp32 parameters) and moments, and
@@ -9,15 +15,21 @@ rebinding ``param.data``.
 
 from __future__ import annotations
 
+import types
+import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .functional import adam_update_
+from .buckets import Bucket
+from .functional import adam_coefficients, adam_elementwise_, adam_update_
 
-__all__ = ["Hyperparameters", "reference_step"]
+__all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
+
+#: Accepted values of the optimizers' ``implementation`` argument.
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "reference")
 
 
 @dataclass(frozen=True)
@@ -33,7 +45,8 @@ class Hyperparameters:
     optimized_update: bool
 
 
-def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters) -> None:
+def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
+                   grad_scale: Optional[Tensor] = None) -> None:
     """The readable definition: one :func:`adam_update_` call per parameter.
 
     For a parameter with a master weight the update runs on ``state["master_weight"]`` and the result
@@ -42,6 +55,8 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
     temporary fp32 copy (the "fp32 compute, no master" baseline, which loses updates below half an ulp).
     """
     for param, grad in pairs:
+        if grad_scale is not None:
+            grad = grad.to(torch.float32) * grad_scale.to(device=grad.device, dtype=torch.float32).reshape(())
         st = state[param]
         st["step"] += 1
         master = st.get("master_weight")
@@ -63,3 +78,156 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         )
         if weight is not param:
             param.copy_(weight)
+
+
+# ---------------------------------------------------------------------------------------- flat paths
+def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Optional[Tensor],
+                 decay_factor: Tensor, l2: Tensor, step_size: Tensor, sqrt_bias_correction2: Tensor,
+                 grad_scale: Optional[Tensor], beta1: float, beta2: float, eps: float, decay: str,
+                 optimized_update: bool) -> None:
+    """One bucket's update over flat buffers: unscale, :func:`adam_elementwise_`, write the parameters.
+
+    ``weight`` (float32, updated in place) is the flat master buffer, or the flat copy of float32
+    parameters; ``grad`` is the flat gradient in any float dtype; ``out`` (or ``None``) receives the
+    new weights rounded to the parameters' dtype. Every changing value is a 0-d tensor, so the
+    compiled form is reused for any learning rate, weight decay, step or loss scale.
+    """
+    g = grad.to(torch.float32)
+    if grad_scale is not None:
+        g = g * grad_scale
+    adam_elementwise_(weight, g, exp_avg, exp_avg_sq, decay_factor, l2, step_size, sqrt_bias_correction2,
+                      beta1=beta1, beta2=beta2, eps=eps, decay=decay, optimized_update=optimized_update)
+    if out is not None:
+        out.copy_(weight)
+
+
+_compiled_kernels: Dict[tuple, object] = {}
+_compile_failed: Optional[str] = None
+
+
+def _get_compiled(key: tuple = ()):
+    """The compiled :func:`_flat_kernel` for one variant (dtypes, decay mode, constants...).
+
+    Sizes are dynamic (the callers mark dimension 0 of every tensor argument with
+    ``maybe_mark_dynamic``), so one graph serves every size; the values that change every step are
+    0-d tensors, so a variant compiles once. The Python constants (betas, eps, decay mode) stay
+    static: the variant key holds them. ``dynamic=True`` would make them symbolic too, and with
+    torch 2.13's FX graph cache a second variant then reused the first one's ``1 - beta2`` (a silent
+    wrong result; ``tests/test_executions.py::test_fused_variants_do_not_share_constants``). Each variant gets its own copy of
+    the function's code object, hence its own Dynamo cache and recompile limit: a process mixing
+    float16, bfloat16 and float32 buckets, scaler and no scaler, never hits the shared limit.
+    """
+    fn = _compiled_kernels.get(key)
+    if fn is None:
+        code = _flat_kernel.__code__.replace(co_name=f"_flat_kernel_{len(_compiled_kernels)}")
+        variant = types.FunctionType(code, _flat_kernel.__globals__, code.co_name, _flat_kernel.__defaults__,
+                                     _flat_kernel.__closure__)
+        fn = _compiled_kernels[key] = torch.compile(variant, fullgraph=True)
+    return fn
+
+
+def compile_available() -> bool:
+    """False once a compilation has failed in this process (``auto`` then runs ``foreach``)."""
+    return _compile_failed is None
+
+
+def _run_kernel(implementation: str, *args, **kwargs) -> None:
+    global _compile_failed
+    if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
+        try:
+            weight, grad, _, _, out = args[:5]
+            key = (weight.device.type, grad.dtype, None if out is None else out.dtype, args[9] is None,
+                   tuple(sorted(kwargs.items())))
+            for t in args[:5]:
+                if t is not None:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            _get_compiled(key)(*args, **kwargs)
+            return
+        except Exception as exc:  # no C++ compiler / Triton, unsupported backend...
+            if implementation == "fused":
+                raise
+            _compile_failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                "halfadam: torch.compile of the fused step failed; implementation='auto' falls back to "
+                f"'foreach' for the rest of this process ({_compile_failed.splitlines()[0][:200]})",
+                RuntimeWarning, stacklevel=4)
+    _eager_chunks(*args, **kwargs)
+
+
+#: Elements per eager chunk: the temporaries of one chunk (256 KiB each) stay in cache, and large
+#: flat buffers do not allocate (and page-fault) full-size temporaries on every op.
+EAGER_CHUNK = 1 << 16
+
+
+def _eager_chunks(weight, grad, exp_avg, exp_avg_sq, out, *rest, **kwargs) -> None:
+    """:func:`_flat_kernel` run eagerly, chunk by chunk over the flat buffers (the foreach path)."""
+    n = weight.numel()
+    for start in range(0, n, EAGER_CHUNK):
+        s = slice(start, min(start + EAGER_CHUNK, n))
+        _flat_kernel(weight[s], grad[s], exp_avg[s], exp_avg_sq[s], None if out is None else out[s], *rest, **kwargs)
+
+
+def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implementation: str,
+              grad_scale: Optional[Tensor] = None) -> None:
+    """One step for every parameter of ``bucket`` (all have a gradient and the same step count).
+
+    ``grads`` are in the bucket's layout order. ``implementation`` is ``"fused"`` (the kernel compiled
+    by ``torch.compile``: Inductor C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run
+    eagerly over the flat buffers in chunks of :data:`EAGER_CHUNK` elements: a few ops per chunk
+    instead of per tensor) or ``"auto"`` (fused, or foreach when
+    compiling is impossible here).
+    """
+    device = bucket.device
+    bucket.steps.add_(1)
+    f64 = dict(dtype=torch.float64, device=device)
+    coefficients = adam_coefficients(
+        step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
+        weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay, optimized_update=hp.optimized_update)
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
+    rest = dict(beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, decay=hp.decay, optimized_update=hp.optimized_update)
+    for i, j, direct in _segments(bucket, grads):
+        a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.numels[j - 1]
+        m, v = bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b]
+        if direct:  # one large parameter: read its gradient and write it in place, no copies
+            param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
+            if bucket.master is not None:
+                _run_kernel(implementation, bucket.master[a:b], grad, m, v, param, *coefficients, grad_scale, **rest)
+            else:
+                _run_kernel(implementation, param, grad, m, v, None, *coefficients, grad_scale, **rest)
+            continue
+        # a run of smaller parameters: gather their gradients into the flat buffer, one kernel call,
+        # copy the results into the parameters
+        seg_grads = grads[i:j]
+        gdtype = seg_grads[0].dtype
+        if any(g.dtype != gdtype for g in seg_grads):
+            gdtype = torch.float32  # mixed gradient dtypes: gather (converting) into a float32 buffer
+        buf = bucket.grad_buffer(gdtype)
+        torch._foreach_copy_(bucket.views(buf)[i:j], seg_grads)
+        out_views = bucket.views(bucket.out)[i:j]
+        if bucket.master is not None:
+            weight, out = bucket.master[a:b], bucket.out[a:b]
+        else:
+            torch._foreach_copy_(out_views, bucket.params[i:j])
+            weight, out = bucket.out[a:b], None
+        _run_kernel(implementation, weight, buf[a:b], m, v, out, *coefficients, grad_scale, **rest)
+        torch._foreach_copy_(bucket.params[i:j], out_views)
+
+
+#: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own
+#: kernel call reading the gradient and writing the parameter directly; smaller ones are packed.
+DIRECT_MIN_NUMEL = 1 << 16
+
+
+def _segments(bucket: Bucket, grads: List[Tensor]):
+    """Split the bucket into ``(i, j, direct)`` runs of parameters ``i:j`` (direct: one large one)."""
+    segments, start = [], 0
+    for k, (p, g) in enumerate(zip(bucket.params, grads)):
+        if bucket.numels[k] >= DIRECT_MIN_NUMEL and p.is_contiguous() and g.is_contiguous():
+            if start < k:
+                segments.append((start, k, False))
+            segments.append((k, k + 1, True))
+            start = k + 1
+    if start < len(bucket.params):
+        segments.append((start, len(bucket.params), False))
+    return segments

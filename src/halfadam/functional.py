@@ -25,12 +25,12 @@ moment; the two forms differ only in where ``eps`` enters.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["DECAY_MODES", "adam_update_"]
+__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_"]
 
 #: Accepted values of ``decay``: how weight decay enters the update (see the module docstring).
 DECAY_MODES = ("decoupled", "absolute", "l2")
@@ -74,27 +74,100 @@ def adam_update_(
     float32 results agree with ``torch.optim.AdamW``/``Adam`` to rounding. Numbers or tensors are
     accepted for ``step``, ``lr`` and ``weight_decay`` so that a compiled caller can pass tensors
     and never recompile when they change.
+
+    It is two halves, also usable apart: :func:`adam_coefficients` (the per-step scalars: decay
+    factor, bias corrections, step size) and :func:`adam_elementwise_` (the per-element work). The
+    fused execution computes the first eagerly (a few 0-d float64 ops per bucket) and hands only the
+    second to ``torch.compile``: Inductor would otherwise re-evaluate ``beta**step`` for every
+    vector of elements inside the loop, and in float32.
     """
-    if decay == "l2":
-        grad = grad + weight_decay * param
-    elif decay == "decoupled":
-        param.mul_(1 - lr * weight_decay)
-    elif decay == "absolute":
-        param.mul_(1 - weight_decay)
-    else:
+    coefficients = adam_coefficients(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                                      decay=decay, optimized_update=optimized_update)
+    adam_elementwise_(param, grad, exp_avg, exp_avg_sq, *coefficients, beta1=beta1, beta2=beta2, eps=eps,
+                      decay=decay, optimized_update=optimized_update)
+
+
+def adam_coefficients(
+    *,
+    step: Scalar,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    weight_decay: Scalar,
+    decay: str = "decoupled",
+    optimized_update: bool = False,
+) -> Tuple[Scalar, Scalar, Scalar, Scalar]:
+    """The per-step scalars of the update: ``(decay_factor, l2, step_size, sqrt_bias_correction2)``.
+
+    * ``decay_factor``: what ``w`` is multiplied by before the update (``1 - lr*wd``, ``1 - wd`` or 1);
+    * ``l2``: the coefficient of ``w`` added to the gradient (``wd`` for ``decay="l2"``, else 0);
+    * ``step_size``: ``lr / (1 - b1^t)`` (times ``sqrt(1 - b2^t)`` with ``optimized_update``);
+    * ``sqrt_bias_correction2``: ``sqrt(1 - b2^t)`` (1 with ``optimized_update``).
+
+    With Python numbers the results are Python floats (double precision). With tensors they are
+    computed in float64 and returned as 0-d float32 tensors (what a Python scalar argument becomes
+    inside a float32 kernel), so both forms agree to float32 rounding.
+    """
+    if decay not in DECAY_MODES:
         raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
-
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-
+    tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
+    if tensors:
+        device = tensors[0].device
+        step, lr, weight_decay = (
+            x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor)
+            else torch.tensor(float(x), dtype=torch.float64, device=device)
+            for x in (step, lr, weight_decay)
+        )
+    zero = weight_decay * 0
+    if decay == "l2":
+        decay_factor, l2 = zero + 1, weight_decay
+    elif decay == "decoupled":
+        decay_factor, l2 = 1 - lr * weight_decay, zero
+    else:  # "absolute"
+        decay_factor, l2 = 1 - weight_decay, zero
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     if optimized_update:
         step_size = lr * _sqrt(bias_correction2) / bias_correction1
-        denom = exp_avg_sq.sqrt().add_(eps)
+        sqrt_bias_correction2 = zero + 1
     else:
         step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / _sqrt(bias_correction2)).add_(eps)
+        sqrt_bias_correction2 = _sqrt(bias_correction2)
+    out = (decay_factor, l2, step_size, sqrt_bias_correction2)
+    if tensors:
+        return tuple(x.float() for x in out)
+    return tuple(float(x) for x in out)
+
+
+def adam_elementwise_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    decay_factor: Scalar,
+    l2: Scalar,
+    step_size: Scalar,
+    sqrt_bias_correction2: Scalar,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay: str = "decoupled",
+    optimized_update: bool = False,
+) -> None:
+    """The per-element half of :func:`adam_update_`, given :func:`adam_coefficients`' scalars."""
+    if decay == "l2":
+        grad = grad + l2 * param
+    else:
+        param.mul_(decay_factor)
+
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+    if optimized_update:
+        denom = exp_avg_sq.sqrt().add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / sqrt_bias_correction2).add_(eps)
     if isinstance(step_size, Tensor):
         param.sub_(exp_avg / denom * step_size)
     else:

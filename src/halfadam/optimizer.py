@@ -14,8 +14,9 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
+from .buckets import Bucket, build_buckets
 from .distributed import localize
-from .executions import Hyperparameters, reference_step
+from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
 from .functional import DECAY_MODES
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
@@ -51,6 +52,7 @@ class _AdamBase(torch.optim.Optimizer):
         decay: str,
         optimized_update: bool,
         master_weights: Optional[bool],
+        implementation: str = "auto",
     ):
         if learning_rate is not None:
             if lr is not None:
@@ -60,6 +62,10 @@ class _AdamBase(torch.optim.Optimizer):
             lr, lr_name = (1e-3 if lr is None else lr), "lr"
         if decay not in DECAY_MODES:
             raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
+        if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        self.implementation = implementation
+        self._layouts: Dict[int, "_GroupLayout"] = {}
         if master_weights is not None and not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
 
@@ -87,6 +93,19 @@ class _AdamBase(torch.optim.Optimizer):
                 g["params"] = sorted(g["params"], key=lambda p: rank[id(p)])
         self._order_params: Optional[List[Tensor]] = order_params
         super().__init__(groups, defaults)
+
+    def __getstate__(self) -> Dict[str, Any]:  # torch keeps only defaults, state and param_groups
+        state = super().__getstate__()
+        state["implementation"] = self.implementation
+        state["_order_params"] = self._order_params
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        self.implementation = state.pop("implementation", "auto")
+        self._order_params = state.pop("_order_params", None)
+        self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
+        super().__setstate__(state)
 
     # ------------------------------------------------------------------ groups
     def _normalize_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -142,20 +161,89 @@ class _AdamBase(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ state
-    def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
-        state = self.state[param]
-        if state:
-            return state
-        compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+    def _use_master(self, param: Tensor, group: Dict[str, Any]) -> bool:
         use_master = group["master_weights"]
-        if use_master is None:
-            use_master = param.dtype in _HALF_DTYPES
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if use_master:
-            state["master_weight"] = param.detach().to(compute_dtype, copy=True)
-        state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
+        return param.dtype in _HALF_DTYPES if use_master is None else use_master
+
+    def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
+        """Parameter ``param``'s state, initialised if empty (see :meth:`_init_group_state`)."""
+        state = self.state[param]
+        if not state:
+            self._init_group_state(group, [param])
         return state
+
+    def _init_group_state(self, group: Dict[str, Any], params: Optional[List[Tensor]] = None) -> None:
+        """Initialise the state of ``params`` (default: every parameter of ``group``) where empty.
+
+        The one place state is created. Bucketed parameters (see :mod:`halfadam.buckets`) get views
+        into their bucket's flat buffers (values already in ``state[p]`` are copied in); the others
+        get separately allocated tensors. Keys and dtypes are the same either way.
+        """
+        layout = self._group_layout(group) if self.implementation != "reference" else None
+        for param in group["params"] if params is None else params:
+            state = self.state[param]
+            loc = None if layout is None else layout.where.get(id(param))
+            if loc is not None:
+                if not state or not loc[0].is_attached(state, loc[1]):
+                    loc[0].attach(state, loc[1])
+                continue
+            if state:
+                continue
+            compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if self._use_master(param, group):
+                state["master_weight"] = param.detach().to(compute_dtype, copy=True)
+            state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
+
+    def _group_layout(self, group: Dict[str, Any]) -> "_GroupLayout":
+        """The buckets of ``group``, (re)built when the group, its parameters or ``self.state`` changed.
+
+        On a rebuild, parameters that already have state (e.g. after ``load_state_dict`` replaced
+        ``self.state``) are attached to the new buffers with their values.
+        """
+        layout = self._layouts.get(id(group))
+        ids = [id(p) for p in group["params"]]
+        if layout is not None and layout.group is group and layout.state is self.state and layout.ids == ids:
+            return layout
+        params = group["params"]
+        buckets = build_buckets(params, [self._use_master(p, group) for p in params])
+        layout = _GroupLayout(group, self.state, ids, buckets)
+        self._layouts[id(group)] = layout
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                if p in self.state and self.state[p]:
+                    b.attach(self.state[p], i)
+        return layout
+
+    def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
+                   grad_scale: Optional[Tensor]) -> None:
+        """Dispatch one group's step: whole buckets to the flat path, everything else to the reference."""
+        self._init_group_state(group, [p for p, _ in pairs if not self.state[p]])
+        if self.implementation == "reference":
+            reference_step(*localize(pairs, self.state), hp, grad_scale)
+            return
+        layout = self._group_layout(group)
+        per_bucket: Dict[int, List[Tuple[Tensor, Tensor]]] = {}
+        rest = []
+        for p, g in pairs:
+            loc = layout.where.get(id(p))
+            if loc is None:
+                rest.append((p, g))
+            else:
+                per_bucket.setdefault(id(loc[0]), []).append((p, g))
+        for bucket in layout.buckets:
+            items = per_bucket.get(id(bucket))
+            if not items:
+                continue
+            # Whole bucket with one step count: one flat kernel. Otherwise (some parameters without a
+            # gradient, or step counts that diverged) the reference path, on the same state views.
+            if len(items) == len(bucket.params) and bool((bucket.steps == bucket.steps[0]).all()):
+                flat_step(bucket, [g for _, g in items], hp, self.implementation, grad_scale)
+            else:
+                rest.extend(items)
+        if rest:
+            reference_step(*localize(rest, self.state), hp, grad_scale)
 
     def master_weight(self, param: Tensor) -> Tensor:
         """The fp32 tensor this optimizer updates for ``param``.
@@ -217,7 +305,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None):
+    def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None,
+             grad_scale: Optional[Tensor] = None):
         """Take one optimization step.
 
         Args:
@@ -227,6 +316,10 @@ class _AdamBase(torch.optim.Optimizer):
                 zero). Parameters missing from the mapping, or mapped to ``None``, are skipped, as are
                 parameters whose ``.grad`` is ``None`` when ``grads`` is not given. This is how
                 :class:`halfadam.GradScaler` hands over unscaled fp32 gradients.
+            grad_scale: a 1-element float32 tensor multiplying every gradient (converted to float32)
+                before the update, or ``None``. This is how :class:`halfadam.GradScaler` hands over
+                still-scaled gradients with the inverse loss scale (times a clipping coefficient),
+                so the fused kernel unscales as it reads them: no unscaled copy is written.
 
         Every gradient and every scheduled hyperparameter is checked before any state changes.
 
@@ -259,8 +352,6 @@ class _AdamBase(torch.optim.Optimizer):
             group["global_step"] += 1
             if not pairs:
                 continue
-            for p, _ in pairs:
-                self._init_state(p, group)
             beta1, beta2 = group["betas"]
             hp = Hyperparameters(
                 lr=lr,
@@ -271,8 +362,7 @@ class _AdamBase(torch.optim.Optimizer):
                 decay=group["decay"],
                 optimized_update=group["optimized_update"],
             )
-            # FSDP2: DTensor params/grads/state -> their local shards (the math is elementwise).
-            reference_step(*localize(pairs, self.state), hp)
+            self._run_group(group, pairs, hp, grad_scale)
         return loss
 
     def __call__(self, gradients: Sequence[Tensor]) -> Tuple[bool, ...]:
@@ -413,21 +503,29 @@ class AdamW(_AdamBase):
         learning_rate: the same as ``lr`` (mindformers' name); giving both is a TypeError.
         master_weights: ``None`` (default): on for float16/bfloat16 parameters, off for float32;
             ``True``/``False`` force it.
+        implementation: how a step runs; every choice gives the same result to float32 rounding.
+            ``"reference"``: one :func:`halfadam.functional.adam_update_` call per parameter (the
+            readable definition). ``"foreach"``: the same math run eagerly over flat fp32 buffers,
+            one op per bucket (group, device, dtype). ``"fused"``: that function compiled by
+            ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on CUDA; the
+            first step compiles, later processes reuse Inductor's cache). ``"auto"`` (default):
+            fused, or foreach (with a one-time warning) where compiling fails. Buckets in which some
+            parameters have no gradient or differ in step count take the reference path that step.
 
     Raises:
         TypeError: a wrong type for ``params`` or an element of it (not a floating tensor nor a
             dict), ``lr`` (not a number, tensor, iterable or callable), ``betas`` or ``eps`` (not
             floats), ``weight_decay`` (not a number or callable); both ``lr`` and ``learning_rate``.
-        ValueError: ``params`` empty; lr or weight_decay negative; a beta outside (0.0, 1.0);
+        ValueError: ``params`` empty; ``implementation`` not one of the four; lr or weight_decay negative; a beta outside (0.0, 1.0);
             eps <= 0; nan or inf in any of them; a tensor lr of more than one dimension; bad
             ``order_params``.
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="decoupled", optimized_update=False,
-                         master_weights=master_weights)
+                         master_weights=master_weights, implementation=implementation)
 
 
 class Adam(_AdamBase):
@@ -439,10 +537,10 @@ class Adam(_AdamBase):
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="l2", optimized_update=False,
-                         master_weights=master_weights)
+                         master_weights=master_weights, implementation=implementation)
 
 
 class WeightDecay:
@@ -493,9 +591,18 @@ class AdamFP16(_AdamBase):
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-16,
                  weight_decay: WeightDecay = WeightDecay(), optimized_update: bool = True, *,
-                 learning_rate=None, master_weights: Optional[bool] = None):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
         if not isinstance(weight_decay, WeightDecay):
             raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay.weight_decay, decay=weight_decay.decay,
-                         optimized_update=optimized_update, master_weights=master_weights)
+                         optimized_update=optimized_update, master_weights=master_weights,
+                         implementation=implementation)
+
+
+class _GroupLayout:
+    """A group's buckets and where each parameter sits in them (valid while group and state stay)."""
+
+    def __init__(self, group: Dict[str, Any], state: Any, ids: List[int], buckets: List[Bucket]):
+        self.group, self.state, self.ids, self.buckets = group, state, ids, buckets
+        self.where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}

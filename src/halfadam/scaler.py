@@ -77,6 +77,16 @@ class GradScaler:
             harmless under DDP (one 4-byte all-reduce per step). A ZeroRedundancyOptimizer always
             agrees over its own process group (its step is a collective; each rank checks only the
             gradients of its shard).
+        max_grad_norm: if given (a number > 0), :meth:`step` clips the gradients to this global L2
+            norm, computed in float32 after unscaling, over each optimizer's gradients (as
+            ``clip_grad_norm_`` would, without a separate call). ``None`` (default): no clipping.
+
+    The fused hand-over: when :meth:`step` is called on a halfadam optimizer without a prior
+    :meth:`unscale_`, the gradients are not unscaled into new tensors. One pass over the raw
+    (scaled) gradients computes their float32 global norm, which is inf/nan exactly when a gradient
+    is; if finite, ``optimizer.step(grad_scale=inv_scale * clip_coefficient)`` unscales, clips and
+    updates while reading each gradient once more (inside the fused kernel). Call :meth:`unscale_`
+    yourself only if you need the unscaled gradients (e.g. for your own clipping).
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
@@ -99,6 +109,7 @@ class GradScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        max_grad_norm: Optional[float] = None,
         *,
         process_group: Any = AUTO,
     ):
@@ -117,6 +128,14 @@ class GradScaler:
         self._growth_interval = growth_interval
         self._enabled = bool(enabled)
         self._process_group = process_group
+        if max_grad_norm is not None and not (
+                isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+                and math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        #: The global gradient norm (unscaled, before clipping) of the last :meth:`step` that clipped
+        #: through ``max_grad_norm``, a 0-d float32 tensor; ``None`` before.
+        self.last_grad_norm: Optional[Tensor] = None
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._init_growth_tracker = 0
@@ -252,8 +271,12 @@ class GradScaler:
         st = self._opt_state(optimizer)
         if st["stage"] is _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if st["stage"] is _READY and halfadam_optimizer(optimizer) is optimizer and self._scale is not None:
+            return self._fused_step(optimizer, st, *args, **kwargs)
         if st["stage"] is _READY:
             self.unscale_(optimizer)
+        if self._max_grad_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
         if st["found_inf"].item() == 0.0:
             if st["grads"] is not None:
@@ -261,6 +284,28 @@ class GradScaler:
             else:
                 result = optimizer.step(*args, **kwargs)
         st["grads"] = None
+        st["stage"] = _STEPPED
+        return result
+
+    def _fused_step(self, optimizer: Any, st: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Check, (clip) and step reading the scaled gradients, never writing unscaled copies.
+
+        The float32 norm of the raw gradients is inf/nan exactly when one of them is (squares of
+        finite float16 values cannot overflow float32), so one reduction gives both the inf check
+        and the clipping norm (across shards and ranks, see :func:`halfadam.distributed.total_norm`).
+        The optimizer multiplies each gradient by ``grad_scale`` as it reads it.
+        """
+        inv_scale = self._scale.double().reciprocal().float()
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = (total_norm(grads, 2.0).to(self._scale.device) * inv_scale).reshape(())
+        st["found_inf"] = all_reduce_found_inf((~torch.isfinite(total)).float().reshape(1), self._process_group)
+        grad_scale = inv_scale
+        if self._max_grad_norm is not None:
+            self.last_grad_norm = total
+            grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
+        result = None
+        if st["found_inf"].item() == 0.0:
+            result = optimizer.step(*args, grad_scale=grad_scale, **kwargs)
         st["stage"] = _STEPPED
         return result
 

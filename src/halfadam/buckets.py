@@ -1,0 +1,159 @@
+"""Flat fp32 storage for the optimizer state, and the per-parameter views on top of it.
+
+A :class:`Bucket` holds the parameters of one parameter group that share a device, a dtype and a
+master-weight setting, in the group's order (which is ``order_params`` order when given). Their
+master weights (when on), ``exp_avg``, ``exp_avg_sq`` and ``step`` counts live in contiguous
+buffers, laid out parameter after parameter, and each parameter's ``optimizer.state[param]``
+entries are views into them: a kernel sees one buffer per quantity, while ``state_dict``,
+checkpoints and user code see ordinary per-parameter tensors of the usual shapes and dtypes.
+
+Which parameters are bucketed: float32 parameters (updated through a flat scratch copy) and
+float16/bfloat16 parameters with master weights. float64 parameters and half-precision parameters
+whose master weights are off keep separately allocated state and always take the reference path.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .distributed import is_dtensor
+
+__all__ = ["Bucket", "bucket_key", "build_buckets"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+STATE_KEYS = ("master_weight", "exp_avg", "exp_avg_sq")
+
+
+def bucket_key(param: Tensor, use_master: bool) -> Optional[Tuple[torch.device, torch.dtype, bool]]:
+    """The bucket a parameter belongs to, or ``None`` if it keeps separately allocated state.
+
+    DTensor parameters (FSDP2) keep per-parameter DTensor state, sharded like the parameter, so that
+    ``torch.distributed.checkpoint`` saves it sharded; their update runs on local shards.
+    """
+    if is_dtensor(param):
+        return None
+    if param.dtype == torch.float32 or (param.dtype in _HALF_DTYPES and use_master):
+        return (param.device, param.dtype, bool(use_master))
+    return None
+
+
+class Bucket:
+    """Flat fp32 buffers for a list of parameters (one group, device, dtype, master setting).
+
+    Attributes:
+        params: the parameters, in layout order.
+        numels, offsets: element counts and start offsets of each parameter in the flat buffers.
+        master: flat float32 master weights, or ``None`` (float32 parameters without master weights:
+            the parameter itself is the weight).
+        exp_avg, exp_avg_sq: flat float32 moments.
+        steps: float32 tensor of ``len(params)`` step counts; ``state[p]["step"]`` is a 0-d view.
+        out: flat buffer of the parameters' dtype the kernel writes the new values of small
+            parameters into (then copied into the parameters, whose storage is never changed);
+            allocated on first use (large parameters are written directly).
+    """
+
+    def __init__(self, params: List[Tensor], use_master: bool):
+        self.params = list(params)
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.use_master = use_master
+        self.numels = [p.numel() for p in params]
+        self.offsets = []
+        total = 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += n
+        self.numel = total
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.master = torch.empty(total, **f32) if use_master else None
+        self.exp_avg = torch.zeros(total, **f32)
+        self.exp_avg_sq = torch.zeros(total, **f32)
+        self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
+        self._out: Optional[Tensor] = None
+        self._grad_buffers: Dict[torch.dtype, Tensor] = {}
+        self._views: Dict[int, List[Tensor]] = {}
+        self.index = {id(p): i for i, p in enumerate(params)}
+
+    @property
+    def out(self) -> Tensor:
+        if self._out is None:
+            self._out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self._out
+
+    def scratch_buffers(self) -> List[Tensor]:
+        """The flat scratch buffers allocated so far (gradient gathering, parameter output)."""
+        return list(self._grad_buffers.values()) + ([] if self._out is None else [self._out])
+
+    def view(self, flat: Tensor, i: int) -> Tensor:
+        """Parameter ``i``'s view of a flat buffer, in the parameter's shape."""
+        return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
+
+    def views(self, flat: Tensor) -> List[Tensor]:
+        """Every parameter's view of ``flat`` (one of this bucket's buffers; cached)."""
+        cached = self._views.get(id(flat))
+        if cached is None:
+            cached = self._views[id(flat)] = [self.view(flat, i) for i in range(len(self.params))]
+        return cached
+
+    def attach(self, state: dict, i: int) -> None:
+        """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
+
+        Values already present in ``state`` (for example loaded by ``load_state_dict``) are copied
+        into the buffers first; missing ones are initialised (master from the parameter, zero moments
+        and step).
+        """
+        param = self.params[i]
+        if "step" in state:
+            self.steps[i].copy_(state["step"].reshape(()) if isinstance(state["step"], Tensor) else state["step"])
+        else:
+            self.steps[i].zero_()
+        state["step"] = self.steps[i]
+        if self.master is not None:
+            mw = self.view(self.master, i)
+            mw.copy_(state["master_weight"] if "master_weight" in state else param.detach())
+            state["master_weight"] = mw
+        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            v = self.view(flat, i)
+            if key in state:
+                v.copy_(state[key])
+            else:
+                v.zero_()
+            state[key] = v
+
+    def is_attached(self, state: dict, i: int) -> bool:
+        """Whether ``state``'s tensors are still this bucket's views (not replaced, e.g. by a load)."""
+        st = state.get("step")
+        if st is None or st.data_ptr() != self.steps[i].data_ptr():
+            return False
+        ea = state.get("exp_avg")
+        return ea is not None and ea.data_ptr() == self.exp_avg.data_ptr() + 4 * self.offsets[i]
+
+    def grad_buffer(self, dtype: torch.dtype) -> Tensor:
+        """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients."""
+        buf = self._grad_buffers.get(dtype)
+        if buf is None:
+            buf = self._grad_buffers[dtype] = torch.empty(self.numel, dtype=dtype, device=self.device)
+        return buf
+
+    def gather(self, tensors: List[Tensor], out: Tensor) -> Tensor:
+        """Copy per-parameter ``tensors`` (in layout order) into the flat ``out`` and return it."""
+        torch._foreach_copy_(self.views(out), tensors)
+        return out
+
+    def scatter_out(self) -> None:
+        """Copy the new values in :attr:`out` into the parameters (their storage is kept)."""
+        torch._foreach_copy_(self.params, self.views(self.out))
+
+
+def build_buckets(params: List[Tensor], use_master: List[bool]) -> List[Bucket]:
+    """Split ``params`` (in order) into buckets by :func:`bucket_key`, keeping their order."""
+    groups: Dict[tuple, List[Tensor]] = {}
+    for p, m in zip(params, use_master):
+        key = bucket_key(p, m)
+        if key is not None:
+            groups.setdefault(key, []).append(p)
+    return [Bucket(ps, key[2]) for key, ps in groups.items()]
