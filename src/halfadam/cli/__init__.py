@@ -1,0 +1,62 @@
+"""The ``halfadam`` command line: ``halfadam <command> [options]``.
+
+Each command is a module in this package with ``HELP`` (a one-line summary), ``add_arguments(parser)``
+and ``run(args) -> int``. Adding a command is one line in :data:`COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import CLIError
+
+__all__ = ["COMMANDS", "CLIError", "build_parser", "main"]
+
+#: Command name -> module implementing it (absolute, or relative to this package).
+COMMANDS = {
+    "train": ".train",
+    "bench": "halfadam.bench",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (no usage dump), exit status 2."""
+
+    def error(self, message: str):  # noqa: D102 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of :data:`COMMANDS`."""
+    parser = _Parser(prog="halfadam", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name, __name__)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run, _prog=command.prog)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``halfadam`` with ``argv`` (default ``sys.argv[1:]``) and return the exit status.
+
+    User errors (bad options, missing files, unavailable devices) print one line on stderr and
+    return 2; they never show a traceback.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args._run(args)
+    except CLIError as exc:
+        print(f"{args._prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{args._prog}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,479 @@
+"""``halfadam train``: one model, one initialisation, the same batches, several precision modes.
+
+The float32 model is built once from the seed; every mode trains a copy cast to its parameter dtype, on
+the same precomputed batch sequence, with the same hyperparameters. The command prints a table (final
+losses, distance of the final weights to the float32 run, optimizer state bytes per parameter, step
+time) and writes ``metrics.json`` and ``loss.png`` to ``--out``.
+
+Choices worth knowing when reading the numbers:
+
+* On CPU the weights are stored in the mode's dtype but the layers compute in float32 (half-precision
+  matmuls are far slower there); gradients still arrive in the parameter's dtype. On CUDA the model
+  computes in the parameter dtype.
+* ``fp16-naive`` has no loss scaler: ``torch.amp.GradScaler`` refuses to unscale float16 gradients. A
+  mode whose loss turns inf/nan stops there and is reported as diverged.
+* The learning rate for step ``t`` (0-based) is ``schedule(t)``, written into every optimizer's groups
+  before the step, so all modes see the same rates even when the loss scaler skips a step.
+* Optimizer state bytes count every per-element tensor in ``optimizer.state`` (the 0-d ``step``
+  counters are left out): 8 bytes/parameter for torch's AdamW in fp32, 12 for halfadam on fp16/bf16
+  (fp32 master weight, ``exp_avg`` and ``exp_avg_sq``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import halfadam
+
+from . import data as data_mod
+from .errors import CLIError
+from .models import CharGPT, DigitsMLP, relative_distance, set_compute_dtype
+from .modes import MODES, Mode, parse_modes
+
+HELP = "train one model in several precision modes and compare them with float32"
+
+TASKS = ("char-lm", "digits")
+
+#: Per-task defaults for options left unset on the command line.
+TASK_DEFAULTS = {
+    "char-lm": {"steps": 800, "lr": 3e-4, "batch_size": 16},
+    "digits": {"steps": 300, "lr": 1e-3, "batch_size": 64},
+}
+
+#: The reported train loss is the mean over the last this-many steps (the per-step loss is noisy).
+TRAIN_LOSS_WINDOW = 10
+
+
+# --------------------------------------------------------------------------------------------- options
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _float(text: str, *, positive: bool) -> float:
+    kind = "a positive" if positive else "a non-negative"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind} number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"expected {kind} number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, positive=True)
+
+
+def _nonnegative_float(text: str) -> float:
+    return _float(text, positive=False)
+
+
+def _modes(text: str) -> list[Mode]:
+    try:
+        return parse_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``halfadam train``'s options on ``parser``."""
+    parser.description = (
+        "Train one model from one initialisation on the same batches in several precision modes "
+        "and compare each with the float32 reference. Modes: "
+        + "; ".join(f"{m.name}: {m.description}" for m in MODES.values())
+        + "."
+    )
+    parser.add_argument("--task", choices=TASKS, default="char-lm",
+                        help="char-lm: GPT-style character model on text (default); digits: MLP on scikit-learn digits")
+    parser.add_argument("--text", metavar="PATH",
+                        help="text file for char-lm (default: the Python standard library's .py sources)")
+    parser.add_argument("--modes", type=_modes, default=list(MODES.values()), metavar="LIST",
+                        help=f"comma-separated modes to run (default: all = {','.join(MODES)})")
+    def per_task(key: str) -> str:
+        return "default: " + ", ".join(f"{task} {TASK_DEFAULTS[task][key]:g}" for task in TASKS)
+
+    parser.add_argument("--steps", type=_positive_int, help=f"training steps per mode ({per_task('steps')})")
+    parser.add_argument("--batch-size", type=_positive_int,
+                        help=f"sequences/examples per step ({per_task('batch_size')})")
+    parser.add_argument("--lr", type=_positive_float, help=f"(peak) learning rate ({per_task('lr')})")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="constant (default), or linear warm-up then cosine decay to 0 "
+                             "(halfadam.schedules.CosineWithWarmUpLR)")
+    parser.add_argument("--warmup-steps", type=_nonnegative_int,
+                        help="warm-up steps for --lr-schedule cosine (default: 10%% of --steps)")
+    parser.add_argument("--weight-decay", type=_nonnegative_float, default=0.0,
+                        help="decoupled weight decay on weight matrices and embeddings (default 0)")
+    parser.add_argument("--seed", type=_nonnegative_int, default=0,
+                        help="seed for the initialisation and the batch order (default 0)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), cuda[:N] or auto. On CPU, weights are stored in the mode's dtype "
+                             "but computed in float32; on CUDA, computed in the parameter dtype")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: runs/<task>)")
+    parser.add_argument("--eval-every", type=_positive_int,
+                        help="evaluate the validation loss every N steps (default: steps/10)")
+    model = parser.add_argument_group("char-lm model")
+    model.add_argument("--seq-len", type=_positive_int, default=64, help="context length in characters (default 64)")
+    model.add_argument("--d-model", type=_positive_int, default=128, help="embedding width (default 128)")
+    model.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default 2)")
+    model.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclass
+class TrainConfig:
+    """The resolved configuration of one ``halfadam train`` run (recorded in ``metrics.json``)."""
+
+    task: str
+    modes: list[str]
+    steps: int
+    batch_size: int
+    lr: float
+    lr_schedule: str
+    warmup_steps: int
+    weight_decay: float
+    seed: int
+    device: str
+    out: str
+    eval_every: int
+    text: str | None = None
+    seq_len: int | None = None
+    d_model: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    progress: bool = field(default=True, repr=False)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"unknown device {name!r} (use cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise CLIError(f"unsupported device {name!r} (use cpu, cuda, cuda:N or auto)")
+    return device
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]:
+    """Fill task defaults into the parsed options and validate what argparse cannot."""
+    defaults = TASK_DEFAULTS[args.task]
+    steps = args.steps or defaults["steps"]
+    if args.task == "char-lm" and args.d_model % args.heads:
+        raise CLIError(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.text is not None and args.task != "char-lm":
+        raise CLIError("--text only applies to --task char-lm")
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    if args.lr_schedule == "cosine" and warmup >= steps:
+        raise CLIError(f"--warmup-steps {warmup} must be smaller than --steps {steps}")
+    device = _resolve_device(args.device)
+    char = args.task == "char-lm"
+    cfg = TrainConfig(
+        task=args.task,
+        modes=[m.name for m in args.modes],
+        steps=steps,
+        batch_size=args.batch_size or defaults["batch_size"],
+        lr=args.lr or defaults["lr"],
+        lr_schedule=args.lr_schedule,
+        warmup_steps=warmup if args.lr_schedule == "cosine" else 0,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        device=str(device),
+        out=args.out or str(Path("runs") / args.task),
+        eval_every=args.eval_every or max(1, steps // 10),
+        text=args.text if char else None,
+        seq_len=args.seq_len if char else None,
+        d_model=args.d_model if char else None,
+        layers=args.layers if char else None,
+        heads=args.heads if char else None,
+        progress=not args.no_progress,
+    )
+    return cfg, device
+
+
+# ------------------------------------------------------------------------------------------ training
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset, device: torch.device, batch_size: int) -> float:
+    """Mean cross-entropy of ``model`` over the dataset's fixed validation set."""
+    total, count = 0.0, 0
+    for x, y in dataset.val_batches(batch_size, device):
+        total += float(_loss(model, x, y, reduction="sum"))
+        count += y.numel()
+    return total / count
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Two groups: matrices and embeddings (decayed) and vectors such as LayerNorm and biases (not)."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2]},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out)."""
+    total = 0
+
+    def visit(value):
+        nonlocal total
+        if torch.is_tensor(value):
+            if value.dim() > 0:
+                total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for state in optimizer.state.values():
+        visit(state)
+    return total
+
+
+def _lr_schedule(cfg: TrainConfig):
+    """A function step -> learning rate (``step`` 0-based, as halfadam's schedules count)."""
+    if cfg.lr_schedule == "constant":
+        return lambda step: cfg.lr
+    from halfadam.schedules import CosineWithWarmUpLR
+
+    return CosineWithWarmUpLR(learning_rate=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, lr_end=0.0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Tensor, cfg: TrainConfig,
+               device: torch.device) -> tuple[dict, tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+    """Train a copy of ``base_model`` in ``mode`` on the batches of ``plan``.
+
+    Returns the mode's metrics and ``(final weights, final master weights or None)``, both as float32
+    CPU tensors in parameter order.
+
+    Every optimizer gets the learning rate ``schedule(step)`` written into its groups before step
+    ``step``. The step time covers forward, backward, (un)scaling and the optimizer step.
+    """
+    from tqdm import tqdm
+
+    model = copy.deepcopy(base_model).to(device=device, dtype=mode.param_dtype)
+    set_compute_dtype(model, torch.float32 if device.type == "cpu" else None)
+    optimizer = mode.make_optimizer(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scaler = mode.make_scaler(device)
+    schedule = _lr_schedule(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    train_losses: list[float] = []
+    val_steps: list[int] = []
+    val_losses: list[float] = []
+    step_times: list[float] = []
+    skipped = 0
+    diverged_at = None
+
+    def record_val(step: int) -> None:
+        val_steps.append(step)
+        val_losses.append(evaluate(model, dataset, device, max(cfg.batch_size, 64)))
+
+    record_val(0)
+    bar = tqdm(range(cfg.steps), desc=f"{mode.name:>13}", unit="step", disable=not cfg.progress,
+               dynamic_ncols=True, leave=True)
+    for step in bar:
+        x, y = dataset.batch(plan[step], device)
+        lr = schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = _loss(model, x, y)
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < scale_before
+        else:
+            loss.backward()
+            optimizer.step()
+        loss_value = loss.item()
+        _sync(device)
+        step_times.append(time.perf_counter() - start)
+        train_losses.append(loss_value)
+        if not math.isfinite(loss_value):  # the weights are inf/nan: nothing more to learn here
+            diverged_at = step
+            bar.set_postfix_str(f"loss {loss_value} after {step} step{'s' * (step != 1)}: stopped")
+            break
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record_val(step + 1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
+    bar.close()
+    if diverged_at is not None and val_steps[-1] != diverged_at:
+        record_val(diverged_at)
+    elif diverged_at is None and not math.isfinite(val_losses[-1]):  # the last update broke the weights
+        diverged_at = len(train_losses)
+
+    note = None
+    if diverged_at is not None:
+        eps = optimizer.param_groups[0].get("eps")
+        if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=mode.param_dtype).item() == 0:
+            note = (f"eps={eps:g} rounds to 0 in {str(mode.param_dtype).removeprefix('torch.')}, "
+                    f"so the update is 0/0 = nan wherever a gradient is 0")
+
+    timed = step_times[1:] if len(step_times) > 1 else step_times  # the first step allocates state
+    tail = train_losses[-TRAIN_LOSS_WINDOW:]
+    final_weights = [p.detach().float().cpu() for p in model.parameters()]
+    masters = None
+    if mode.optimizer == "halfadam" and diverged_at is None:
+        masters = [optimizer.master_weight(p).detach().float().cpu() for p in model.parameters()]
+    metrics = {
+        "description": mode.description,
+        "param_dtype": str(mode.param_dtype).removeprefix("torch."),
+        "optimizer": "halfadam.AdamW" if mode.optimizer == "halfadam" else "torch.optim.AdamW",
+        "loss_scaler": "halfadam.GradScaler" if mode.loss_scaler else None,
+        "final_train_loss": sum(tail) / len(tail),
+        "final_val_loss": val_losses[-1],
+        "diverged_at_step": diverged_at,
+        "divergence_note": note,
+        "optimizer_state_bytes_per_param": optimizer_state_bytes(optimizer) / n_params,
+        "mean_step_ms": 1000 * sum(timed) / len(timed),
+        "steps_run": len(train_losses),
+        "train_loss": train_losses,
+        "val_steps": val_steps,
+        "val_loss": val_losses,
+    }
+    if scaler is not None:
+        metrics["skipped_steps"] = int(skipped)
+        metrics["final_loss_scale"] = float(scaler.get_scale())
+    return metrics, (final_weights, masters)
+
+
+def build_task(cfg: TrainConfig) -> tuple[object, torch.nn.Module, str, str]:
+    """Load the task's data and build its float32 model from ``cfg.seed``.
+
+    Returns ``(dataset, model, data description, model description)``. The model is built once; every
+    mode trains a copy of it cast to the mode's dtype, so all modes start from the same weights.
+    """
+    if cfg.task == "char-lm":
+        dataset = data_mod.load_char_corpus(cfg.text, cfg.seq_len)
+        torch.manual_seed(cfg.seed)
+        model = CharGPT(dataset.vocab_size, cfg.seq_len, cfg.d_model, cfg.layers, cfg.heads)
+        data_line = (
+            f"{dataset.source}: {dataset.info['characters'] / 1e6:.2f} M characters "
+            f"({dataset.info['train_characters']:,} train / {dataset.info['val_characters']:,} validation), "
+            f"vocabulary {dataset.vocab_size}"
+        )
+        model_line = (
+            f"CharGPT: {cfg.layers} pre-LN blocks, d_model {cfg.d_model}, {cfg.heads} heads, context {cfg.seq_len}"
+        )
+    else:
+        dataset = data_mod.load_digits_data()
+        torch.manual_seed(cfg.seed)
+        model = DigitsMLP(dataset.num_features, dataset.num_classes)
+        data_line = (
+            f"{dataset.source}: {dataset.info['train_examples']} train / "
+            f"{dataset.info['val_examples']} validation examples"
+        )
+        model_line = "DigitsMLP: 2 hidden layers of 128 (Linear, LayerNorm, GELU)"
+    return dataset, model, data_line, model_line
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``halfadam train`` with parsed ``args``; returns the exit status."""
+    from . import report
+
+    cfg, device = resolve_config(args)
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot create output directory {out}: {exc.strerror or exc}") from None
+
+    dataset, base_model, data_line, model_line = build_task(cfg)
+    n_params = sum(p.numel() for p in base_model.parameters())
+    plan = dataset.sample_plan(cfg.steps, cfg.batch_size, cfg.seed)
+    compute = "float32 compute, weights stored per mode" if device.type == "cpu" else "compute in the parameter dtype"
+
+    print(f"halfadam train: {cfg.task} on {device} ({compute})")
+    print(f"  data:  {data_line}")
+    print(f"  model: {model_line}, {n_params:,} parameters")
+    sched = "constant" if cfg.lr_schedule == "constant" else f"cosine, {cfg.warmup_steps} warm-up steps"
+    print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
+          f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+
+    results: dict[str, dict] = {}
+    weights: dict[str, tuple] = {}
+    started = time.perf_counter()
+    for name in cfg.modes:
+        results[name], weights[name] = train_mode(MODES[name], base_model, dataset, plan, cfg, device)
+
+    ref = weights.get("fp32")
+    for name, metrics in results.items():
+        final, masters = weights[name]
+        ok = metrics["diverged_at_step"] is None
+        metrics["weight_distance_to_fp32"] = relative_distance(final, ref[0]) if ref and ok else None
+        if masters is not None and ref:
+            metrics["master_weight_distance_to_fp32"] = relative_distance(masters, ref[0])
+        if "fp32" in results and ok:
+            ref_val = results["fp32"]["final_val_loss"]
+            metrics["val_loss_vs_fp32_percent"] = 100 * (metrics["final_val_loss"] - ref_val) / ref_val
+        else:
+            metrics["val_loss_vs_fp32_percent"] = None
+
+    config = asdict(cfg)
+    config.pop("progress")
+    summary = {
+        "halfadam_version": getattr(halfadam, "__version__", None),
+        "torch_version": torch.__version__,
+        "config": config,
+        "data": dataset.info,
+        "model": {"description": model_line, "parameters": n_params},
+        "wall_time_s": time.perf_counter() - started,
+        "modes": results,
+    }
+    print()
+    print(report.format_table(results))
+    try:
+        metrics_path = report.write_metrics(summary, out / "metrics.json")
+        plot_path = report.plot_losses(results, out / "loss.png", title=f"halfadam train: {cfg.task}, {model_line}")
+    except OSError as exc:
+        raise CLIError(f"cannot write results to {out}: {exc.strerror or exc}") from None
+    print(f"\nwrote {metrics_path}\nwrote {plot_path}")
+    return 0

@@ -1,0 +1,194 @@
+"""End-to-end tests of ``halfadam train`` (tiny configurations, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from halfadam.cli import main
+from halfadam.cli.modes import MODES, parse_modes
+from halfadam.cli.train import optimizer_state_bytes
+
+ALL_MODES = list(MODES)
+TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--d-model", "16", "--layers", "1",
+        "--heads", "2", "--eval-every", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "tiny.py"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i % 7} + {i}  # ok\n" for i in range(300)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def char_run(text_file, tmp_path_factory):
+    """One in-process run of every mode on the tiny text; returns (exit code, stdout, out dir)."""
+    out = tmp_path_factory.mktemp("char-run")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["train", "--text", str(text_file), "--out", str(out), *TINY])
+    return rc, buf.getvalue(), out
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_char_lm_all_modes(char_run):
+    rc, stdout, out = char_run
+    assert rc == 0
+    metrics = _metrics(out)
+    assert list(metrics["modes"]) == ALL_MODES
+    assert metrics["config"]["task"] == "char-lm" and metrics["config"]["steps"] == 6
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out / 'metrics.json'}" in stdout and f"wrote {out / 'loss.png'}" in stdout
+    for name in ALL_MODES:
+        assert name in stdout
+
+    modes = metrics["modes"]
+    for name, m in modes.items():
+        assert m["val_steps"][0] == 0
+        if m["diverged_at_step"] is None:  # naive fp16 may turn to nan: that is what it shows
+            assert len(m["train_loss"]) == 6 and m["val_steps"] == [0, 3, 6]
+            assert all(math.isfinite(v) for v in m["train_loss"] + m["val_loss"]), name
+            assert math.isfinite(m["final_val_loss"]) and math.isfinite(m["mean_step_ms"])
+            assert m["weight_distance_to_fp32"] >= 0
+    for name in ("fp32", "bf16-naive", "fp16-halfadam", "bf16-halfadam"):
+        assert modes[name]["diverged_at_step"] is None, name
+    assert modes["fp32"]["weight_distance_to_fp32"] == 0.0
+    assert modes["fp32"]["val_loss_vs_fp32_percent"] == 0.0
+    # master weights + exp_avg + exp_avg_sq in fp32 for half parameters; torch keeps two moments
+    assert modes["fp16-halfadam"]["optimizer_state_bytes_per_param"] == 12
+    assert modes["bf16-halfadam"]["optimizer_state_bytes_per_param"] == 12
+    assert modes["fp32"]["optimizer_state_bytes_per_param"] == 8
+    assert modes["bf16-naive"]["optimizer_state_bytes_per_param"] == 4
+    assert modes["fp16-naive"]["optimizer_state_bytes_per_param"] == 4
+    assert modes["fp16-halfadam"]["loss_scaler"] == "halfadam.GradScaler"
+    assert "skipped_steps" in modes["fp16-halfadam"]
+    # one initialisation, one batch sequence: the first step sees the same weights (fp16 vs fp16)
+    assert modes["fp16-naive"]["train_loss"][0] == modes["fp16-halfadam"]["train_loss"][0]
+    assert modes["bf16-naive"]["train_loss"][0] == modes["bf16-halfadam"]["train_loss"][0]
+    assert "master_weight_distance_to_fp32" in modes["bf16-halfadam"]
+
+
+def test_same_seed_same_result(text_file, tmp_path, char_run, capsys):
+    _, _, first = char_run
+    assert main(["train", "--text", str(text_file), "--out", str(tmp_path), "--modes", "fp32,bf16-halfadam",
+                 *TINY]) == 0
+    a, b = _metrics(first)["modes"], _metrics(tmp_path)["modes"]
+    for name in ("fp32", "bf16-halfadam"):
+        assert a[name]["train_loss"] == b[name]["train_loss"]
+        assert a[name]["val_loss"] == b[name]["val_loss"]
+
+
+def test_digits_with_schedule_and_weight_decay(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    rc = main(["train", "--task", "digits", "--steps", "8", "--batch-size", "16", "--eval-every", "4",
+               "--modes", "fp32,bf16-naive,bf16-halfadam", "--lr-schedule", "cosine", "--weight-decay", "0.1",
+               "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    metrics = _metrics(tmp_path)
+    assert list(metrics["modes"]) == ["fp32", "bf16-naive", "bf16-halfadam"]
+    cfg = metrics["config"]
+    assert cfg["task"] == "digits" and cfg["lr_schedule"] == "cosine" and cfg["weight_decay"] == 0.1
+    assert cfg["warmup_steps"] == 1
+    for m in metrics["modes"].values():
+        assert all(math.isfinite(v) for v in m["train_loss"] + m["val_loss"])
+    assert metrics["modes"]["bf16-halfadam"]["optimizer_state_bytes_per_param"] == 12
+    assert (tmp_path / "loss.png").is_file()
+
+
+def test_python_m_halfadam_subprocess(text_file, tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "halfadam", "train", "--text", str(text_file), "--out", str(tmp_path),
+         "--modes", "fp32,fp16-halfadam", *TINY],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    metrics = _metrics(tmp_path)
+    assert list(metrics["modes"]) == ["fp32", "fp16-halfadam"]
+    assert metrics["modes"]["fp16-halfadam"]["optimizer_state_bytes_per_param"] == 12
+    assert (tmp_path / "loss.png").is_file()
+    assert "Traceback" not in proc.stderr
+
+    bad = subprocess.run([sys.executable, "-m", "halfadam", "train", "--steps", "-3"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "--steps" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--text", "/no/such/file.txt"], "text file not found"),
+        (["--modes", "fp32,fp8-magic"], "unknown mode 'fp8-magic'"),
+        (["--modes", ""], "no modes"),
+        (["--task", "imagenet"], "invalid choice"),
+        (["--steps", "-5"], "positive integer"),
+        (["--steps", "many"], "positive integer"),
+        (["--lr", "0"], "positive number"),
+        (["--weight-decay", "-1"], "non-negative number"),
+        (["--device", "tpu"], "device"),
+        (["--heads", "3"], "divisible"),
+        (["--lr-schedule", "cosine", "--steps", "5", "--warmup-steps", "5"], "warmup"),
+        (["--task", "digits", "--text", "x.txt"], "--text only applies"),
+    ],
+)
+def test_errors_are_one_line(args, expected, tmp_path, capsys):
+    rc = main(["train", "--out", str(tmp_path / "out"), "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert err.count("\n") == 1 and err.startswith("halfadam train: error:"), err
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_text_too_short(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n")
+    assert main(["train", "--text", str(short), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "too short" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda(tmp_path, capsys):
+    assert main(["train", "--device", "cuda", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA is not available" in err
+
+
+def test_usage_errors_and_help(capsys):
+    assert main([]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["train", "--help"]) == 0
+    assert "--modes" in capsys.readouterr().out
+
+
+def test_parse_modes():
+    assert [m.name for m in parse_modes("all")] == ALL_MODES
+    assert [m.name for m in parse_modes(" bf16-halfadam, fp32 ,bf16-halfadam")] == ["bf16-halfadam", "fp32"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("fp64")
+
+
+def test_optimizer_state_bytes_counts_per_element_state():
+    p = torch.nn.Parameter(torch.zeros(10, 3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert optimizer_state_bytes(opt) == 2 * 30 * 4  # exp_avg + exp_avg_sq; the 0-d step is not counted
