@@ -14,6 +14,7 @@ import torch
 
 from halfadam.cli import main
 from halfadam.cli.modes import MODES, parse_modes
+import halfadam.cli.train as T
 from halfadam.cli.train import optimizer_state_bytes
 
 ALL_MODES = list(MODES)
@@ -192,3 +193,41 @@ def test_optimizer_state_bytes_counts_per_element_state():
     p.grad = torch.ones_like(p)
     opt.step()
     assert optimizer_state_bytes(opt) == 2 * 30 * 4  # exp_avg + exp_avg_sq; the 0-d step is not counted
+
+
+# --save / --resume ------------------------------------------------------------------------------
+RESUME_ARGS = ["train", "--task", "digits", "--steps", "12", "--eval-every", "3", "--lr-schedule", "cosine",
+        "--warmup-steps", "2", "--no-progress"]
+
+
+def test_resume_continues_the_loss_curve_exactly(tmp_path, monkeypatch):
+    assert main(RESUME_ARGS + ["--out", str(tmp_path / "full")]) == 0
+    # A run that stops after its step-6 checkpoint (diverged modes save when they diverge).
+    save = T._save_mode
+    monkeypatch.setattr(T, "_save_mode", lambda cfg, mode, *rest: save(cfg, mode, *rest)
+                        if len(rest[-1]["train_loss"]) == 6 or rest[-1]["diverged_at"] is not None else None)
+    assert main(RESUME_ARGS + ["--out", str(tmp_path / "part"), "--save", str(tmp_path / "ck"), "--save-every", "3"]) == 0
+    monkeypatch.setattr(T, "_save_mode", save)
+    assert main(RESUME_ARGS + ["--out", str(tmp_path / "resumed"), "--resume", str(tmp_path / "ck")]) == 0
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())["modes"]
+    resumed = json.loads((tmp_path / "resumed" / "metrics.json").read_text())["modes"]
+    for name in full:
+        for key in ("train_loss", "val_steps", "val_loss", "weight_distance_to_fp32",
+                    "master_weight_distance_to_fp32", "final_loss_scale", "skipped_steps", "diverged_at_step"):
+            assert str(full[name].get(key)) == str(resumed[name].get(key)), (name, key)
+
+
+def test_bad_resume_is_one_line_without_traceback(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert main(RESUME_ARGS + ["--modes", "bf16-halfadam", "--out", str(tmp_path / "a"), "--save", str(ck)]) == 0
+    capsys.readouterr()
+    (ck / "bf16-halfadam.pt").write_bytes((ck / "bf16-halfadam.pt").read_bytes()[:1000])  # truncated
+    assert main(RESUME_ARGS + ["--modes", "bf16-halfadam", "--out", str(tmp_path / "b"), "--resume", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be read" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(RESUME_ARGS + ["--modes", "fp32", "--out", str(tmp_path / "b"), "--resume", str(ck)]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert main(RESUME_ARGS + ["--modes", "bf16-halfadam", "--out", str(tmp_path / "c"), "--save", str(ck)]) == 0
+    assert main(RESUME_ARGS + ["--modes", "bf16-halfadam", "--lr", "0.01", "--out", str(tmp_path / "d"),
+                        "--resume", str(ck)]) == 2
+    assert "written with other options (--lr)" in capsys.readouterr().err

@@ -141,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--save", metavar="DIR",
+                        help="checkpoint each mode to DIR/<mode>.pt (atomically: a run killed mid-save keeps the "
+                             "previous checkpoint) at the end and every --save-every steps")
+    parser.add_argument("--save-every", type=_positive_int, metavar="N",
+                        help="with --save, also checkpoint every N steps (default: only at the end)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options")
 
 
 @dataclass
@@ -165,6 +172,9 @@ class TrainConfig:
     layers: int | None = None
     heads: int | None = None
     progress: bool = field(default=True, repr=False)
+    save: str | None = None
+    save_every: int | None = None
+    resume: str | None = None
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -216,7 +226,12 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         layers=args.layers if char else None,
         heads=args.heads if char else None,
         progress=not args.no_progress,
+        save=args.save,
+        save_every=args.save_every,
+        resume=args.resume,
     )
+    if args.save_every and not args.save:
+        raise CLIError("--save-every needs --save DIR")
     return cfg, device
 
 
@@ -275,6 +290,55 @@ def _lr_schedule(cfg: TrainConfig):
     return CosineWithWarmUpLR(learning_rate=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, lr_end=0.0)
 
 
+#: Options that may differ between a run and its --resume (all others must match).
+_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes")
+
+
+def _run_identity(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in _RESUME_FREE}
+
+
+def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: dict) -> None:
+    """Write DIR/<mode>.pt: model, optimizer, scaler, options, RNG state and the curves so far (atomically)."""
+    from halfadam.checkpoint import save_checkpoint
+
+    objects = dict(model=model, optimizer=optimizer, config=_run_identity(cfg), history=history,
+                   rng=torch.get_rng_state())
+    if scaler is not None:
+        objects["scaler"] = scaler
+    if torch.device(cfg.device).type == "cuda":
+        objects["cuda_rng"] = torch.cuda.get_rng_state(torch.device(cfg.device))
+    try:
+        save_checkpoint(Path(cfg.save) / f"{mode.name}.pt", **objects)
+    except OSError as exc:
+        raise CLIError(f"--save {cfg.save}: cannot write the checkpoint: {exc.strerror or exc}") from None
+
+
+def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict:
+    """Load DIR/<mode>.pt into model, optimizer and scaler (all or nothing); returns the saved history."""
+    from halfadam.checkpoint import CheckpointError, load_checkpoint
+
+    path = Path(cfg.resume) / f"{mode.name}.pt"
+    objects = dict(model=model, optimizer=optimizer)
+    if scaler is not None:
+        objects["scaler"] = scaler
+    ours = _run_identity(cfg)
+    try:
+        entries = load_checkpoint(path)  # read and verified; nothing loaded yet
+        saved = entries.get("config")
+        if saved != ours:
+            diff = sorted(k for k in ours if not isinstance(saved, dict) or saved.get(k) != ours[k])
+            raise CLIError(f"--resume {path}: written with other options "
+                           f"({', '.join('--' + k.replace('_', '-') for k in diff)})")
+        load_checkpoint(path, **objects)
+    except CheckpointError as exc:
+        raise CLIError(f"--resume: {exc}") from None
+    torch.set_rng_state(entries["rng"])
+    if "cuda_rng" in entries:
+        torch.cuda.set_rng_state(entries["cuda_rng"], torch.device(cfg.device))
+    return entries["history"]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -310,9 +374,20 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         val_steps.append(step)
         val_losses.append(evaluate(model, dataset, device, max(cfg.batch_size, 64)))
 
-    record_val(0)
-    bar = tqdm(range(cfg.steps), desc=f"{mode.name:>13}", unit="step", disable=not cfg.progress,
-               dynamic_ncols=True, leave=True)
+    def history() -> dict:
+        return {"train_loss": train_losses, "val_steps": val_steps, "val_loss": val_losses, "skipped": int(skipped),
+                "diverged_at": diverged_at}
+
+    first_step = 0
+    if cfg.resume:
+        saved = _resume_mode(cfg, mode, model, optimizer, scaler)
+        train_losses, val_steps, val_losses = saved["train_loss"], saved["val_steps"], saved["val_loss"]
+        skipped, diverged_at = saved["skipped"], saved["diverged_at"]
+        first_step = cfg.steps if diverged_at is not None else len(train_losses)  # a diverged run stays so
+    else:
+        record_val(0)
+    bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, desc=f"{mode.name:>13}",
+               unit="step", disable=not cfg.progress, dynamic_ncols=True, leave=True)
     for step in bar:
         x, y = dataset.batch(plan[step], device)
         lr = schedule(step)
@@ -344,9 +419,14 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
+        if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
+            _save_mode(cfg, mode, model, optimizer, scaler, history())
     bar.close()
-    if diverged_at is not None and val_steps[-1] != diverged_at:
-        record_val(diverged_at)
+    if diverged_at is not None and first_step < cfg.steps:  # diverged in this run (not a resumed one)
+        if val_steps[-1] != diverged_at:
+            record_val(diverged_at)
+        if cfg.save:
+            _save_mode(cfg, mode, model, optimizer, scaler, history())
     elif diverged_at is None and not math.isfinite(val_losses[-1]):  # the last update broke the weights
         diverged_at = len(train_losses)
 
@@ -373,7 +453,7 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         "diverged_at_step": diverged_at,
         "divergence_note": note,
         "optimizer_state_bytes_per_param": optimizer_state_bytes(optimizer) / n_params,
-        "mean_step_ms": 1000 * sum(timed) / len(timed),
+        "mean_step_ms": 1000 * sum(timed) / len(timed) if timed else None,
         "steps_run": len(train_losses),
         "train_loss": train_losses,
         "val_steps": val_steps,
