@@ -374,7 +374,36 @@ class LinearWithWarmUpLR(_WarmUpSchedule):
         return _f32(self._lr32 * percent)
 
 
-class CosineWithWarmUpLR(_WarmUpSchedule):
+class _CosineDecay(_WarmUpSchedule):
+    """Shared set-up of the two cosine-with-warm-up schedules: ``lr_end`` from ``decay_steps`` on."""
+
+    _fields = (
+        "learning_rate", "warmup_steps", "total_steps", "num_cycles", "lr_end",
+        "warmup_lr_init", "warmup_ratio", "decay_steps",
+    )
+
+    def __init__(self, learning_rate, warmup_steps, total_steps, num_cycles, lr_end, warmup_lr_init,
+                 warmup_ratio, decay_steps) -> None:
+        super().__init__(
+            learning_rate, warmup_steps, warmup_lr_init, warmup_ratio, total_steps,
+            total_steps_required=True,
+        )
+        self.num_cycles = _check_real("num_cycles", num_cycles)
+        self.lr_end = _check_real("lr_end", lr_end)
+        self.decay_steps = _resolve_decay_steps(decay_steps, self.total_steps)
+        self._cosine32 = _f32(max(1, self.total_steps - self.warmup_steps))
+        self._decay32 = _f32(self.decay_steps)
+        self._lr_end32 = _f32(self.lr_end)
+        # lr_end is a float32 tensor in mindformers: the range is a float32 difference.
+        self._range32 = _f32(_f32(self.learning_rate) - self._lr_end32)
+
+    def _lr(self, step: float) -> float:
+        if step >= self._decay32:
+            return self._lr_end32
+        return super()._lr(step)
+
+
+class CosineWithWarmUpLR(_CosineDecay):
     r"""Linear warm-up, then cosine decay from ``learning_rate`` to ``lr_end``.
 
     Matches ``mindformers.core.CosineWithWarmUpLR``.  With ``t`` the 0-based
@@ -414,11 +443,6 @@ class CosineWithWarmUpLR(_WarmUpSchedule):
             ``[0, 1]``, ``warmup_steps > total_steps``.
     """
 
-    _fields = (
-        "learning_rate", "warmup_steps", "total_steps", "num_cycles", "lr_end",
-        "warmup_lr_init", "warmup_ratio", "decay_steps",
-    )
-
     def __init__(
         self,
         learning_rate: float,
@@ -430,25 +454,10 @@ class CosineWithWarmUpLR(_WarmUpSchedule):
         warmup_ratio: float | None = None,
         decay_steps: int | None = None,
     ) -> None:
-        super().__init__(
-            learning_rate, warmup_steps, warmup_lr_init, warmup_ratio, total_steps,
-            total_steps_required=True,
-        )
-        self.num_cycles = _check_real("num_cycles", num_cycles)
-        self.lr_end = _check_real("lr_end", lr_end)
-        self.decay_steps = _resolve_decay_steps(decay_steps, self.total_steps)
-        self._cosine32 = _f32(max(1, self.total_steps - self.warmup_steps))
-        self._decay32 = _f32(self.decay_steps)
-        self._lr_end32 = _f32(self.lr_end)
-        # lr_end is a float32 tensor in mindformers: the range is a float32 difference.
-        self._range32 = _f32(_f32(self.learning_rate) - self._lr_end32)
+        super().__init__(learning_rate, warmup_steps, total_steps, num_cycles, lr_end, warmup_lr_init,
+                         warmup_ratio, decay_steps)
         # math.pi * num_cycles * 2.0 is folded in double, then meets a tensor.
         self._omega32 = _f32(math.pi * self.num_cycles * 2.0)
-
-    def _lr(self, step: float) -> float:
-        if step >= self._decay32:
-            return self._lr_end32
-        return super()._lr(step)
 
     def _after_warmup(self, step: float) -> float:
         progress = _f32(_f32(step - self._warmup32) / self._cosine32)
@@ -456,7 +465,7 @@ class CosineWithWarmUpLR(_WarmUpSchedule):
         return _f32(self._lr_end32 + _f32(self._range32 * percent))
 
 
-class CosineWithRestartsAndWarmUpLR(_WarmUpSchedule):
+class CosineWithRestartsAndWarmUpLR(_CosineDecay):
     r"""Linear warm-up, then ``num_cycles`` cosine decays with hard restarts.
 
     Matches ``mindformers.core.CosineWithRestartsAndWarmUpLR``.  With ``t``
@@ -500,8 +509,6 @@ class CosineWithRestartsAndWarmUpLR(_WarmUpSchedule):
             ``[0, 1]``, ``warmup_steps > total_steps``.
     """
 
-    _fields = CosineWithWarmUpLR._fields
-
     def __init__(
         self,
         learning_rate: float,
@@ -513,23 +520,9 @@ class CosineWithRestartsAndWarmUpLR(_WarmUpSchedule):
         warmup_ratio: float | None = None,
         decay_steps: int | None = None,
     ) -> None:
-        super().__init__(
-            learning_rate, warmup_steps, warmup_lr_init, warmup_ratio, total_steps,
-            total_steps_required=True,
-        )
-        self.num_cycles = _check_real("num_cycles", num_cycles)
-        self.lr_end = _check_real("lr_end", lr_end)
-        self.decay_steps = _resolve_decay_steps(decay_steps, self.total_steps)
-        self._cosine32 = _f32(max(1, self.total_steps - self.warmup_steps))
-        self._decay32 = _f32(self.decay_steps)
-        self._lr_end32 = _f32(self.lr_end)
-        self._range32 = _f32(_f32(self.learning_rate) - self._lr_end32)
+        super().__init__(learning_rate, warmup_steps, total_steps, num_cycles, lr_end, warmup_lr_init,
+                         warmup_ratio, decay_steps)
         self._cycles32 = _f32(self.num_cycles)
-
-    def _lr(self, step: float) -> float:
-        if step >= self._decay32:
-            return self._lr_end32
-        return super()._lr(step)
 
     def _after_warmup(self, step: float) -> float:
         progress = _f32(_f32(step - self._warmup32) / self._cosine32)
