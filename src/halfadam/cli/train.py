@@ -17,13 +17,25 @@ Choices worth knowing when reading the numbers:
 * Optimizer state bytes count every per-element tensor in ``optimizer.state`` (the 0-d ``step``
   counters are left out): 8 bytes/parameter for torch's AdamW in fp32, 12 for halfadam on fp16/bf16
   (fp32 master weight, ``exp_avg`` and ``exp_avg_sq``).
+* ``--nproc N`` trains data-parallel in N CPU processes (``DistributedDataParallel`` over gloo, started
+  by :func:`halfadam.distributed.launch`): every process builds the same model and batch plan, takes
+  its 1/N slice of each batch and back-propagates its share of the batch's mean loss; DDP sums the
+  gradients. Every example's gradient so enters with the same weight as in one process (float16 loss
+  scaling sees the same ranges), and the run matches ``--nproc 1`` up to floating-point rounding. The
+  reported train loss is that of the whole batch. Only rank 0 prints and writes files.
+  ``torchrun ... -m halfadam train`` (without ``--nproc``) runs the same code path.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import logging
 import math
+import os
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -148,6 +160,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --save, also checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue each mode from DIR/<mode>.pt, written by --save with the same options")
+    parser.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                        help="train data-parallel in N processes on this machine (DDP over gloo, CPU only; "
+                             "default 1). Each process takes 1/N of every batch, so --batch-size must be "
+                             "divisible by N; the losses match --nproc 1 up to rounding. Only the first process "
+                             "prints and writes metrics.json, loss.png and the --save checkpoints (the replicas "
+                             "are identical); --resume loads the same checkpoints in every process, and a "
+                             "checkpoint resumes under any --nproc. The same under torchrun (also with --device "
+                             "cuda, one GPU per process): torchrun --standalone --nproc-per-node N -m halfadam "
+                             "train ... (without --nproc)")
 
 
 @dataclass
@@ -175,6 +196,7 @@ class TrainConfig:
     save: str | None = None
     save_every: int | None = None
     resume: str | None = None
+    nproc: int = 1
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -232,7 +254,31 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
     )
     if args.save_every and not args.save:
         raise CLIError("--save-every needs --save DIR")
+    nproc = getattr(args, "nproc", 1)
+    if nproc > 1:
+        if device.type != "cpu":
+            raise CLIError(f"--nproc runs CPU processes (gloo); on GPUs launch with "
+                           f"torchrun --nproc-per-node N -m halfadam train --device {args.device} ... instead")
+        if "WORLD_SIZE" in os.environ:
+            raise CLIError("--nproc starts its own processes: under torchrun leave it out "
+                           "(torchrun --nproc-per-node sets the number)")
+    world = nproc if nproc > 1 else _torchrun_world()
+    if cfg.batch_size % world:
+        how = f"--nproc {world}" if nproc > 1 else f"the {world} torchrun processes"
+        raise CLIError(f"--batch-size {cfg.batch_size} must be divisible by {how} (each process takes an equal slice)")
+    cfg.nproc = world
     return cfg, device
+
+
+def _torchrun_world() -> int:
+    """The number of processes of the ``torch.distributed`` job this process is part of (1 if none)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -291,7 +337,7 @@ def _lr_schedule(cfg: TrainConfig):
 
 
 #: Options that may differ between a run and its --resume (all others must match).
-_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes")
+_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc")
 
 
 def _run_identity(cfg: TrainConfig) -> dict:
@@ -344,9 +390,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _allreduce_sum_hook(process_group, bucket):
+    """A DDP communication hook: the gradients summed over the ranks (DDP's default averages them)."""
+    fut = torch.distributed.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Tensor, cfg: TrainConfig,
-               device: torch.device) -> tuple[dict, tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+               device: torch.device, rank: int = 0, world: int = 1
+               ) -> tuple[dict, tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
     """Train a copy of ``base_model`` in ``mode`` on the batches of ``plan``.
+
+    With ``world > 1`` (an initialised process group; every rank calls this with the same arguments)
+    the model is wrapped in ``DistributedDataParallel``, rank ``rank`` trains on its slice
+    ``plan[step].chunk(world)[rank]`` of each batch, the recorded train loss is the mean over the
+    ranks, and only rank 0 saves checkpoints. The replicas stay identical, so every rank evaluates the
+    same validation loss and returns the same weights.
 
     Returns the mode's metrics and ``(final weights, final master weights or None)``, both as float32
     CPU tensors in parameter order.
@@ -386,17 +445,28 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         first_step = cfg.steps if diverged_at is not None else len(train_losses)  # a diverged run stays so
     else:
         record_val(0)
+    net = model
+    if world > 1:  # ``model`` keeps the same parameters (evaluation, checkpoints and weights use it)
+        net = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        net.register_comm_hook(None, _allreduce_sum_hook)  # with the loss divided by world: see below
     bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, desc=f"{mode.name:>13}",
-               unit="step", disable=not cfg.progress, dynamic_ncols=True, leave=True)
+               unit="step", disable=not cfg.progress or rank != 0, dynamic_ncols=True, leave=True)
     for step in bar:
-        x, y = dataset.batch(plan[step], device)
+        x, y = dataset.batch(plan[step].chunk(world)[rank] if world > 1 else plan[step], device)
         lr = schedule(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = _loss(model, x, y)
+        loss = _loss(net, x, y)
+        if world > 1:
+            # Each rank back-propagates its share of the whole batch's mean loss (its slice's mean / world)
+            # and DDP sums the gradients (_allreduce_sum_hook), so every example's gradient enters with the
+            # weight 1/batch-size as in --nproc 1. DDP's own averaging (the slice's mean, then divide after
+            # the sum) weighs it world times more on the rank: float16 gradients under a loss scale that
+            # --nproc 1 keeps in range then overflow there, and the scaler skips steps --nproc 1 does not.
+            loss = loss / world
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.scale(loss).backward()
@@ -406,6 +476,9 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         else:
             loss.backward()
             optimizer.step()
+        if world > 1:  # the loss of the whole batch; inf/nan on any rank makes every rank stop here
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
         loss_value = loss.item()
         _sync(device)
         step_times.append(time.perf_counter() - start)
@@ -419,13 +492,15 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
-        if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
+        save_now = (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps
+        if cfg.save and rank == 0 and save_now:
             _save_mode(cfg, mode, model, optimizer, scaler, history())
     bar.close()
+    del net  # DDP sits in reference cycles; the next mode builds its own
     if diverged_at is not None and first_step < cfg.steps:  # diverged in this run (not a resumed one)
         if val_steps[-1] != diverged_at:
             record_val(diverged_at)
-        if cfg.save:
+        if cfg.save and rank == 0:
             _save_mode(cfg, mode, model, optimizer, scaler, history())
     elif diverged_at is None and not math.isfinite(val_losses[-1]):  # the last update broke the weights
         diverged_at = len(train_losses)
@@ -495,34 +570,138 @@ def build_task(cfg: TrainConfig) -> tuple[object, torch.nn.Module, str, str]:
     return dataset, model, data_line, model_line
 
 
+def _run_rank(rank: int, world: int, args: argparse.Namespace, error_dir: str) -> None:
+    """One process of ``--nproc``: :func:`run` in the process group :func:`halfadam.distributed.launch` set up.
+
+    A failure is also written to ``error_dir/<rank>.json`` (a :class:`CLIError`'s message, or the
+    exception's type and first line), for the launching process to report in one line.
+    """
+    try:
+        run(args)
+    except Exception as exc:
+        cli = isinstance(exc, CLIError)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        message = first if cli else f"{type(exc).__name__}: {first}".rstrip(": ")
+        Path(error_dir, f"{rank}.json").write_text(json.dumps({"cli": cli, "message": message}))
+        raise
+
+
+def _launch(args: argparse.Namespace, nproc: int) -> int:
+    """Run :func:`run` in ``nproc`` gloo processes (:func:`halfadam.distributed.launch`); returns the exit status.
+
+    A failure in any process ends all of them and is reported as one line: a :class:`CLIError` raised
+    by any rank is raised here (the other ranks then fail only because a peer went away); anything else
+    prints the failing rank and exception and returns 1.
+    """
+    from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
+
+    from halfadam.distributed import launch
+
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # no "Terminating process ... via signal SIGTERM" when a rank fails
+    try:
+        with tempfile.TemporaryDirectory(prefix="halfadam-nproc-") as error_dir:
+            try:
+                launch(_run_rank, nproc, args, error_dir)
+                return 0
+            except ProcessException as exc:
+                errors = {}
+                for path in Path(error_dir).glob("*.json"):
+                    try:
+                        errors[int(path.stem)] = json.loads(path.read_text())
+                    except (OSError, ValueError):
+                        pass
+                cli = sorted(r for r, e in errors.items() if e.get("cli"))
+                if cli:
+                    raise CLIError(errors[cli[0]]["message"]) from None
+                rank = exc.error_index
+                if rank in errors:
+                    what = errors[rank]["message"]
+                elif isinstance(exc, ProcessExitedException) and exc.signal_name:
+                    what = f"terminated by {exc.signal_name}"
+                else:
+                    what = str(exc).strip().splitlines()[-1]
+                prog = getattr(args, "_prog", "halfadam train")
+                print(f"{prog}: error: process {rank} of --nproc {nproc} failed: {what} "
+                      f"(the same command under torchrun --standalone --nproc-per-node {nproc} -m halfadam "
+                      f"shows the traceback)", file=sys.stderr)
+                return 1
+    finally:
+        spawn_log.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``halfadam train`` with parsed ``args``; returns the exit status."""
-    from . import report
+    """Run ``halfadam train`` with parsed ``args``; returns the exit status.
+
+    ``--nproc N > 1``: validates the options, creates the output directory and starts N processes
+    (:func:`_launch`), each of which runs this function again inside the process group. Under
+    ``torchrun`` the process group is set up here from the environment
+    (:func:`halfadam.distributed.init_from_env`) and destroyed at the end.
+    """
+    from halfadam import distributed as hd
 
     cfg, device = resolve_config(args)
     out = Path(cfg.out)
+    dist = torch.distributed
+    grouped = dist.is_available() and dist.is_initialized()
+    if cfg.nproc > 1 and not grouped:  # the launching process (resolve_config refused --nproc under torchrun)
+        _make_out(out)
+        return _launch(args, cfg.nproc)
+    rank, world = hd.init_from_env("nccl" if device.type == "cuda" else "gloo")
+    owns_group = not grouped and dist.is_available() and dist.is_initialized()  # torchrun: set up just now
+    try:
+        status = _run(cfg, device, out, rank, world)
+        if owns_group:
+            import gc
+
+            gc.collect()  # free the DDP modules before the group goes (see halfadam.distributed.launch)
+            dist.barrier()
+        return status
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _make_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"cannot create output directory {out}: {exc.strerror or exc}") from None
+
+
+def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: int) -> int:
+    """The body of :func:`run` in one process (rank ``rank`` of ``world``); only rank 0 prints and writes."""
+    from . import report
+
+    lead = rank == 0
+    if lead:
+        _make_out(out)
 
     dataset, base_model, data_line, model_line = build_task(cfg)
     n_params = sum(p.numel() for p in base_model.parameters())
     plan = dataset.sample_plan(cfg.steps, cfg.batch_size, cfg.seed)
     compute = "float32 compute, weights stored per mode" if device.type == "cpu" else "compute in the parameter dtype"
 
-    print(f"halfadam train: {cfg.task} on {device} ({compute})")
-    print(f"  data:  {data_line}")
-    print(f"  model: {model_line}, {n_params:,} parameters")
-    sched = "constant" if cfg.lr_schedule == "constant" else f"cosine, {cfg.warmup_steps} warm-up steps"
-    print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
-          f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+    if lead:
+        print(f"halfadam train: {cfg.task} on {device} ({compute})")
+        print(f"  data:  {data_line}")
+        print(f"  model: {model_line}, {n_params:,} parameters")
+        sched = "constant" if cfg.lr_schedule == "constant" else f"cosine, {cfg.warmup_steps} warm-up steps"
+        if world > 1:
+            backend = torch.distributed.get_backend()
+            print(f"  data-parallel: {world} processes (DDP, {backend}), {cfg.batch_size // world} per process "
+                  f"per step")
+        print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
+              f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
 
     results: dict[str, dict] = {}
     weights: dict[str, tuple] = {}
     started = time.perf_counter()
     for name in cfg.modes:
-        results[name], weights[name] = train_mode(MODES[name], base_model, dataset, plan, cfg, device)
+        results[name], weights[name] = train_mode(MODES[name], base_model, dataset, plan, cfg, device, rank, world)
+    if not lead:
+        return 0
 
     ref = weights.get("fp32")
     for name, metrics in results.items():
