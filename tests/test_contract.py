@@ -228,3 +228,20 @@ def test_mindformers_style_readme_example():
         lrs.append(opt.param_groups[0]["lr"])
     assert lrs[0] == 0.0 and lrs[1] == pytest.approx(5e-4) and lrs[2] == pytest.approx(1e-3)
     assert math.isclose(opt.param_groups[1]["weight_decay"], 0.0)
+
+
+def test_torch_scheduler_on_a_scheduled_lr_warns():
+    """A torch lr_scheduler cannot drive an lr that is already a schedule: it is overwritten each step."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([p], lr=lambda t: 1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    opt([torch.ones(2)])
+    sched.step()
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['lr'\] was changed outside"):
+        opt([torch.ones(2)])
+    assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_set_of_parameters_is_rejected():
+    with pytest.raises(TypeError, match="ordered"):
+        halfadam.AdamW({P})

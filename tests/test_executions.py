@@ -232,7 +232,8 @@ def test_scaler_skips_bit_for_bit_on_inf(impl):
 
 
 def test_fused_never_recompiles_for_changing_values():
-    """lr, weight decay, step and the scaler's inverse scale change every step: no recompilation."""
+    """lr, weight decay, betas, eps, step and the scaler's inverse scale change every step: no
+    recompilation (every value is a 0-d tensor input of the kernel, none a compiled constant)."""
     params, opt, _, _ = _scaler_run("fused", steps=2, max_grad_norm=1.0)
     g = torch.Generator().manual_seed(3)
     scaler = halfadam.GradScaler(init_scale=2.0**8, growth_interval=1, max_grad_norm=1.0)
@@ -240,6 +241,8 @@ def test_fused_never_recompiles_for_changing_values():
         for k in range(5):
             opt.param_groups[0]["lr"] = 1e-3 * (k + 1)
             opt.param_groups[1]["weight_decay"] = 0.01 * k
+            opt.param_groups[0]["betas"] = (0.85 + 0.01 * k, 0.999)  # as OneCycleLR's cycle_momentum
+            opt.param_groups[1]["eps"] = 1e-8 * (k + 1)
             loss = sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in params)
             for p in params:
                 p.grad = None

@@ -1,6 +1,7 @@
 """halfadam.GradScaler on CPU: skip on inf/nan, backoff and growth, fp32 hand-over, torch interop."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -184,3 +185,23 @@ def test_fp16_training_with_scaler_matches_fp32_reference():
         scaler.update()
     rel = ((opt.master_weight(w16) - w32.detach()).norm() / w32.detach().norm()).item()
     assert rel < 1e-3
+
+
+def test_warns_when_grad_is_clipped_after_unscale_with_torch_utility():
+    """torch.nn.utils.clip_grad_norm_ on the model after unscale_ changes the scaled fp16 .grad, which
+    the optimizer does not read (it uses the unscaled fp32 copies): say so instead of silently ignoring it."""
+    model = torch.nn.Linear(4, 3).half()
+    opt = halfadam.AdamW(model.parameters())
+    scaler = halfadam.GradScaler()
+    scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.warns(UserWarning, match="scaler.clip_grad_norm_"):
+        scaler.step(opt)
+    scaler.update()
+
+    scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
+    scaler.clip_grad_norm_(opt, 1.0)  # the supported way: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        scaler.step(opt)

@@ -82,8 +82,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 
 # ---------------------------------------------------------------------------------------- flat paths
 def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Optional[Tensor],
-                 decay_factor: Tensor, l2: Tensor, step_size: Tensor, sqrt_bias_correction2: Tensor,
-                 grad_scale: Optional[Tensor], beta1: float, beta2: float, eps: float, decay: str,
+                 coefficients: Tuple[Tensor, ...], grad_scale: Optional[Tensor], decay: str,
                  optimized_update: bool) -> None:
     """One bucket's update over flat buffers: unscale, :func:`adam_elementwise_`, write the parameters.
 
@@ -95,8 +94,7 @@ def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
-    adam_elementwise_(weight, g, exp_avg, exp_avg_sq, decay_factor, l2, step_size, sqrt_bias_correction2,
-                      beta1=beta1, beta2=beta2, eps=eps, decay=decay, optimized_update=optimized_update)
+    adam_elementwise_(weight, g, exp_avg, exp_avg_sq, *coefficients, decay=decay, optimized_update=optimized_update)
     if out is not None:
         out.copy_(weight)
 
@@ -106,16 +104,16 @@ _compile_failed: Optional[str] = None
 
 
 def _get_compiled(key: tuple = ()):
-    """The compiled :func:`_flat_kernel` for one variant (dtypes, decay mode, constants...).
+    """The compiled :func:`_flat_kernel` for one variant (dtypes, decay mode, ``optimized_update``).
 
     Sizes are dynamic (the callers mark dimension 0 of every tensor argument with
-    ``maybe_mark_dynamic``), so one graph serves every size; the values that change every step are
-    0-d tensors, so a variant compiles once. The Python constants (betas, eps, decay mode) stay
-    static: the variant key holds them. ``dynamic=True`` would make them symbolic too, and with
-    torch 2.13's FX graph cache a second variant then reused the first one's ``1 - beta2`` (a silent
-    wrong result; ``tests/test_executions.py::test_fused_variants_do_not_share_constants``). Each variant gets its own copy of
-    the function's code object, hence its own Dynamo cache and recompile limit: a process mixing
-    float16, bfloat16 and float32 buckets, scaler and no scaler, never hits the shared limit.
+    ``maybe_mark_dynamic``), so one graph serves every size; every hyperparameter, the step and the
+    loss scale are 0-d tensors, so a variant compiles once and no value change recompiles. (Not
+    ``dynamic=True``: it also turns Python float arguments into symbols, and with torch 2.13's FX
+    graph cache a kernel then reused another's float constants, silently;
+    ``tests/test_executions.py::test_fused_variants_do_not_share_constants``.) Each variant gets its
+    own copy of the function's code object, hence its own Dynamo cache and recompile limit: a process
+    mixing float16, bfloat16 and float32 buckets, scaler and no scaler, never hits the shared limit.
     """
     fn = _compiled_kernels.get(key)
     if fn is None:
@@ -136,7 +134,7 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
             weight, grad, _, _, out = args[:5]
-            key = (weight.device.type, grad.dtype, None if out is None else out.dtype, args[9] is None,
+            key = (weight.device.type, grad.dtype, None if out is None else out.dtype, args[6] is None,
                    tuple(sorted(kwargs.items())))
             for t in args[:5]:
                 if t is not None:
@@ -181,20 +179,20 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
     bucket.steps.add_(1)
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
-        step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
+        step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
         weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay, optimized_update=hp.optimized_update)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
-    rest = dict(beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, decay=hp.decay, optimized_update=hp.optimized_update)
+    rest = dict(decay=hp.decay, optimized_update=hp.optimized_update)
     for i, j, direct in _segments(bucket, grads):
         a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.numels[j - 1]
         m, v = bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b]
         if direct:  # one large parameter: read its gradient and write it in place, no copies
             param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
             if bucket.master is not None:
-                _run_kernel(implementation, bucket.master[a:b], grad, m, v, param, *coefficients, grad_scale, **rest)
+                _run_kernel(implementation, bucket.master[a:b], grad, m, v, param, coefficients, grad_scale, **rest)
             else:
-                _run_kernel(implementation, param, grad, m, v, None, *coefficients, grad_scale, **rest)
+                _run_kernel(implementation, param, grad, m, v, None, coefficients, grad_scale, **rest)
             continue
         # a run of smaller parameters: gather their gradients into the flat buffer, one kernel call,
         # copy the results into the parameters
@@ -210,7 +208,7 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
         else:
             torch._foreach_copy_(out_views, bucket.params[i:j])
             weight, out = bucket.out[a:b], None
-        _run_kernel(implementation, weight, buf[a:b], m, v, out, *coefficients, grad_scale, **rest)
+        _run_kernel(implementation, weight, buf[a:b], m, v, out, coefficients, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
 
 

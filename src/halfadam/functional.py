@@ -70,21 +70,21 @@ def adam_update_(
         decay: one of :data:`DECAY_MODES`.
         optimized_update: add ``eps`` before bias-correcting the second moment (labml ``AdamFP16``).
 
-    The arithmetic follows ``torch.optim.adamw._single_tensor_adamw`` operation by operation, so
-    float32 results agree with ``torch.optim.AdamW``/``Adam`` to rounding. Numbers or tensors are
+    With Python numbers the arithmetic follows ``torch.optim.adamw._single_tensor_adamw`` operation
+    by operation, so float32 results equal ``torch.optim.AdamW``/``Adam``'s. Numbers or tensors are
     accepted for ``step``, ``lr`` and ``weight_decay`` so that a compiled caller can pass tensors
     and never recompile when they change.
 
-    It is two halves, also usable apart: :func:`adam_coefficients` (the per-step scalars: decay
-    factor, bias corrections, step size) and :func:`adam_elementwise_` (the per-element work). The
-    fused execution computes the first eagerly (a few 0-d float64 ops per bucket) and hands only the
-    second to ``torch.compile``: Inductor would otherwise re-evaluate ``beta**step`` for every
-    vector of elements inside the loop, and in float32.
+    It is two halves, also usable apart: :func:`adam_coefficients` (every scalar of the step: decay
+    factor, bias corrections, step size, the betas' complements, eps) and :func:`adam_elementwise_`
+    (the per-element work). The fused execution computes the first eagerly (a few 0-d float64 ops per
+    bucket) and hands only the second, with the scalars as 0-d tensors, to ``torch.compile``: no
+    hyperparameter is a constant of the compiled kernel, so changing any of them (a learning-rate
+    schedule, ``OneCycleLR`` cycling ``betas``) never recompiles.
     """
-    coefficients = adam_coefficients(step=step, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                                      decay=decay, optimized_update=optimized_update)
-    adam_elementwise_(param, grad, exp_avg, exp_avg_sq, *coefficients, beta1=beta1, beta2=beta2, eps=eps,
-                      decay=decay, optimized_update=optimized_update)
+    coefficients = adam_coefficients(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay, decay=decay, optimized_update=optimized_update)
+    adam_elementwise_(param, grad, exp_avg, exp_avg_sq, *coefficients, decay=decay, optimized_update=optimized_update)
 
 
 def adam_coefficients(
@@ -93,16 +93,18 @@ def adam_coefficients(
     lr: Scalar,
     beta1: float,
     beta2: float,
+    eps: float,
     weight_decay: Scalar,
     decay: str = "decoupled",
     optimized_update: bool = False,
-) -> Tuple[Scalar, Scalar, Scalar, Scalar]:
-    """The per-step scalars of the update: ``(decay_factor, l2, step_size, sqrt_bias_correction2)``.
+) -> Tuple[Scalar, ...]:
+    """Every scalar of one step, in the order :func:`adam_elementwise_` takes them:
 
     * ``decay_factor``: what ``w`` is multiplied by before the update (``1 - lr*wd``, ``1 - wd`` or 1);
     * ``l2``: the coefficient of ``w`` added to the gradient (``wd`` for ``decay="l2"``, else 0);
     * ``step_size``: ``lr / (1 - b1^t)`` (times ``sqrt(1 - b2^t)`` with ``optimized_update``);
-    * ``sqrt_bias_correction2``: ``sqrt(1 - b2^t)`` (1 with ``optimized_update``).
+    * ``sqrt_bias_correction2``: ``sqrt(1 - b2^t)`` (1 with ``optimized_update``);
+    * ``one_minus_beta1``, ``beta2``, ``one_minus_beta2``, ``eps``.
 
     With Python numbers the results are Python floats (double precision). With tensors they are
     computed in float64 and returned as 0-d float32 tensors (what a Python scalar argument becomes
@@ -113,10 +115,10 @@ def adam_coefficients(
     tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
     if tensors:
         device = tensors[0].device
-        step, lr, weight_decay = (
+        step, lr, weight_decay, beta1, beta2, eps = (
             x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor)
             else torch.tensor(float(x), dtype=torch.float64, device=device)
-            for x in (step, lr, weight_decay)
+            for x in (step, lr, weight_decay, beta1, beta2, eps)
         )
     zero = weight_decay * 0
     if decay == "l2":
@@ -133,7 +135,7 @@ def adam_coefficients(
     else:
         step_size = lr / bias_correction1
         sqrt_bias_correction2 = _sqrt(bias_correction2)
-    out = (decay_factor, l2, step_size, sqrt_bias_correction2)
+    out = (decay_factor, l2, step_size, sqrt_bias_correction2, 1 - beta1, beta2, 1 - beta2, eps)
     if tensors:
         return tuple(x.float() for x in out)
     return tuple(float(x) for x in out)
@@ -148,21 +150,32 @@ def adam_elementwise_(
     l2: Scalar,
     step_size: Scalar,
     sqrt_bias_correction2: Scalar,
+    one_minus_beta1: Scalar,
+    beta2: Scalar,
+    one_minus_beta2: Scalar,
+    eps: Scalar,
     *,
-    beta1: float,
-    beta2: float,
-    eps: float,
     decay: str = "decoupled",
     optimized_update: bool = False,
 ) -> None:
-    """The per-element half of :func:`adam_update_`, given :func:`adam_coefficients`' scalars."""
+    """The per-element half of :func:`adam_update_`, given :func:`adam_coefficients`' scalars.
+
+    The scalars are all Python floats (the form of ``torch.optim.AdamW``, operation by operation) or
+    all 0-d float32 tensors (then none of them is a constant of a compiled kernel; the same formulas,
+    spelled with ops that take tensor scalars).
+    """
     if decay == "l2":
         grad = grad + l2 * param
     else:
         param.mul_(decay_factor)
 
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if isinstance(one_minus_beta2, Tensor):
+        # lerp's own formula for weights < 0.5 (a tensor weight would make it evaluate both branches)
+        exp_avg.add_((grad - exp_avg) * one_minus_beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad * one_minus_beta2, grad)
+    else:
+        exp_avg.lerp_(grad, one_minus_beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
 
     if optimized_update:
         denom = exp_avg_sq.sqrt().add_(eps)

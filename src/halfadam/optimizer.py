@@ -8,6 +8,7 @@ decay enters.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -66,6 +67,8 @@ class _AdamBase(torch.optim.Optimizer):
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         self.implementation = implementation
         self._layouts: Dict[int, "_GroupLayout"] = {}
+        self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
+        self._override_warned = False
         if master_weights is not None and not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
 
@@ -105,6 +108,7 @@ class _AdamBase(torch.optim.Optimizer):
         self.implementation = state.pop("implementation", "auto")
         self._order_params = state.pop("_order_params", None)
         self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
+        self._written, self._override_warned = {}, False
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ groups
@@ -336,6 +340,7 @@ class _AdamBase(torch.optim.Optimizer):
         plan = []
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
+            self._warn_if_overridden(group, where)
             lr = _resolve(group, "lr", where)
             weight_decay = _resolve(group, "weight_decay", where)
             pairs = []
@@ -349,6 +354,7 @@ class _AdamBase(torch.optim.Optimizer):
 
         for group, lr, weight_decay, pairs in plan:
             group["lr"], group["weight_decay"] = lr, weight_decay
+            self._written[id(group)] = (lr, weight_decay)
             group["global_step"] += 1
             if not pairs:
                 continue
@@ -364,6 +370,20 @@ class _AdamBase(torch.optim.Optimizer):
             )
             self._run_group(group, pairs, hp, grad_scale)
         return loss
+
+    def _warn_if_overridden(self, group: Dict[str, Any], where: str) -> None:
+        """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
+        torch ``lr_scheduler``): the schedule sets it at every step, so that change has no effect."""
+        written = self._written.get(id(group))
+        if written is None or self._override_warned:
+            return
+        for key, value in zip(("lr", "weight_decay"), written):
+            if group.get(f"{key}_schedule") is not None and group[key] != value:
+                self._override_warned = True
+                warnings.warn(
+                    f"{where}['{key}'] was changed outside the optimizer (by a torch lr_scheduler?), but this "
+                    f"{key} is a schedule of the global step, which sets it at every step: the change has no "
+                    f"effect", UserWarning, stacklevel=4)
 
     def __call__(self, gradients: Sequence[Tensor]) -> Tuple[bool, ...]:
         """Functional call (mindformers style): one step with ``gradients`` instead of ``.grad``.
@@ -422,6 +442,9 @@ def _check_grad(g: Any, p: Tensor, where: str) -> None:
 
 def _split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tensor]]]:
     """Turn ``params`` into a list of group dicts and the ``order_params`` list (or ``None``)."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError("params must be an ordered collection (a list, a generator); a set has no fixed order, "
+                        "and the optimizer's state and checkpoints follow the parameters' order")
     if isinstance(params, Tensor) or not hasattr(params, "__iter__"):
         raise TypeError(
             f"params must be an iterable of tensors or of dicts, got {type(params).__name__}"

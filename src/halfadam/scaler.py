@@ -12,6 +12,7 @@ other optimizer it unscales ``param.grad`` in place, as torch does.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -215,6 +216,9 @@ class GradScaler:
             _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
             st["grads"] = grads
             st["shard_group"] = zero_group
+            # .grad of a half parameter keeps its scaled value; remember its version to catch code
+            # that changes it after this point (it would have no effect).
+            st["versions"] = [(p.grad, p.grad._version) for p, g in grads.items() if g is not p.grad]
         else:
             for p in params:
                 if p.grad.dtype == torch.float16:
@@ -278,6 +282,13 @@ class GradScaler:
         if self._max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
+        if any(grad._version != version for grad, version in st.get("versions", ())):
+            warnings.warn(
+                "param.grad of a float16/bfloat16 parameter was modified after scaler.unscale_() (for "
+                "example by torch.nn.utils.clip_grad_norm_ on the model's parameters). The halfadam "
+                "optimizer uses the unscaled float32 gradients made by unscale_(), so that change has no "
+                "effect: clip with scaler.clip_grad_norm_(optimizer, max_norm) or "
+                "GradScaler(max_grad_norm=...) instead.", UserWarning, stacklevel=2)
         if st["found_inf"].item() == 0.0:
             if st["grads"] is not None:
                 result = optimizer.step(*args, grads=st["grads"], **kwargs)
