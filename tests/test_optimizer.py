@@ -24,6 +24,16 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def _half_and_fp32(dtype, shapes=SHAPES):
+    """Half parameters and fp32 copies holding exactly the same (rounded) values."""
+    ref = _params(shapes)
+    ours = [torch.nn.Parameter(p.detach().to(dtype)) for p in ref]
+    with torch.no_grad():
+        for p, q in zip(ours, ref):
+            q.copy_(p.float())
+    return ours, ref
+
+
 def _groups(params, hyper):
     return [{"params": params[:2], **hyper[0]}, {"params": params[2:], **hyper[1]}]
 
@@ -52,12 +62,7 @@ def test_fp32_matches_torch_600_steps(cls_pair):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_params_master_matches_torch_fp32(dtype):
     """Fed the same fp32 gradients, the master weights follow torch.optim.AdamW on fp32 copies."""
-    ref = _params(SHAPES)
-    ours = [torch.nn.Parameter(p.detach().to(dtype)) for p in ref]
-    # torch's fp32 run starts from the same (rounded) values the half model holds.
-    with torch.no_grad():
-        for p, q in zip(ours, ref):
-            q.copy_(p.float())
+    ours, ref = _half_and_fp32(dtype)  # torch's fp32 run starts from the values the half model holds
     opt = halfadam.AdamW(_groups(ours, GROUP_HYPER))
     ref_opt = torch.optim.AdamW(_groups(ref, GROUP_HYPER))
     for grads in _grads(500, SHAPES, scale=1e-3):
@@ -75,11 +80,7 @@ def test_half_params_master_matches_torch_fp32(dtype):
 
 def test_half_grads_from_autograd():
     """The usual path: .grad in the parameter's dtype, read and upcast by the optimizer."""
-    ref = _params(SHAPES)
-    ours = [torch.nn.Parameter(p.detach().bfloat16()) for p in ref]
-    with torch.no_grad():
-        for p, q in zip(ours, ref):
-            q.copy_(p.float())
+    ours, ref = _half_and_fp32(torch.bfloat16)
     opt, ref_opt = halfadam.AdamW(ours, lr=1e-3), torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.0)
     for grads in _grads(50, SHAPES):
         for p, q, g in zip(ours, ref, grads):
@@ -275,11 +276,7 @@ def test_bad_parameters(params, exc, match):
 
 
 def test_adam_l2_matches_torch_on_half_params():
-    ref = _params(SHAPES)
-    ours = [torch.nn.Parameter(p.detach().half()) for p in ref]
-    with torch.no_grad():
-        for p, q in zip(ours, ref):
-            q.copy_(p.float())
+    ours, ref = _half_and_fp32(torch.float16)
     opt = halfadam.Adam(ours, lr=1e-3, weight_decay=0.05)
     ref_opt = torch.optim.Adam(ref, lr=1e-3, weight_decay=0.05)
     for grads in _grads(100, SHAPES, seed=3):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +19,6 @@ from halfadam.schedules import (
     PolynomialWithWarmUpLR,
     as_lr_scheduler,
 )
-
-GOLDEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
-GOLDEN_FILE = GOLDEN_DIR / "mindformers_adamw.json"
 
 SCHEDULE_NAMES = [
     "ConstantWarmUpLR",
@@ -55,12 +50,6 @@ LOCAL_SCHEDULES = {
 }
 
 
-def _golden_schedules() -> dict:
-    if not GOLDEN_FILE.is_file():
-        pytest.skip(f"golden file not found: {GOLDEN_FILE}")
-    return json.loads(GOLDEN_FILE.read_text())["lr_schedules"]
-
-
 def test_all_exports_exist():
     for name in schedules.__all__:
         assert hasattr(schedules, name)
@@ -68,8 +57,8 @@ def test_all_exports_exist():
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
-def test_matches_mindformers_golden(name):
-    entry = _golden_schedules()[name]
+def test_matches_mindformers_golden(name, golden):
+    entry = golden[1]["lr_schedules"][name]
     namespace = {n: getattr(schedules, n) for n in schedules.__all__}
     schedule = eval(entry["call"], namespace)  # trusted, repo-local golden data
     assert type(schedule).__name__ == name

@@ -25,9 +25,6 @@ __all__ = ["Bucket", "bucket_key", "build_buckets"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-STATE_KEYS = ("master_weight", "exp_avg", "exp_avg_sq")
-
-
 def bucket_key(param: Tensor, use_master: bool) -> Optional[Tuple[torch.device, torch.dtype, bool]]:
     """The bucket a parameter belongs to, or ``None`` if it keeps separately allocated state.
 
@@ -60,7 +57,6 @@ class Bucket:
         self.params = list(params)
         self.device = params[0].device
         self.dtype = params[0].dtype
-        self.use_master = use_master
         self.numels = [p.numel() for p in params]
         self.offsets = []
         total = 0
@@ -76,7 +72,6 @@ class Bucket:
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
-        self.index = {id(p): i for i, p in enumerate(params)}
 
     @property
     def out(self) -> Tensor:
@@ -138,15 +133,6 @@ class Bucket:
         if buf is None:
             buf = self._grad_buffers[dtype] = torch.empty(self.numel, dtype=dtype, device=self.device)
         return buf
-
-    def gather(self, tensors: List[Tensor], out: Tensor) -> Tensor:
-        """Copy per-parameter ``tensors`` (in layout order) into the flat ``out`` and return it."""
-        torch._foreach_copy_(self.views(out), tensors)
-        return out
-
-    def scatter_out(self) -> None:
-        """Copy the new values in :attr:`out` into the parameters (their storage is kept)."""
-        torch._foreach_copy_(self.params, self.views(self.out))
 
 
 def build_buckets(params: List[Tensor], use_master: List[bool]) -> List[Bucket]:

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
+from .distributed import halfadam_optimizer
 from .functional import DECAY_MODES
 
 __all__ = [
@@ -221,9 +222,7 @@ def decode_schedule(entry: Any, current: Any, where: str) -> Any:
 
 # ============================================================================ optimizer state
 def _is_halfadam(optimizer: Any) -> bool:
-    from .optimizer import _AdamBase
-
-    return isinstance(optimizer, _AdamBase)
+    return halfadam_optimizer(optimizer) is optimizer
 
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

@@ -54,9 +54,11 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
     parameter itself; for a half-precision parameter whose master weights are off it runs on a
     temporary fp32 copy (the "fp32 compute, no master" baseline, which loses updates below half an ulp).
     """
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(dtype=torch.float32).reshape(())
     for param, grad in pairs:
         if grad_scale is not None:
-            grad = grad.to(torch.float32) * grad_scale.to(device=grad.device, dtype=torch.float32).reshape(())
+            grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
         st["step"] += 1
         master = st.get("master_weight")

@@ -183,6 +183,8 @@ class _AdamBase(torch.optim.Optimizer):
         into their bucket's flat buffers (values already in ``state[p]`` are copied in); the others
         get separately allocated tensors. Keys and dtypes are the same either way.
         """
+        if params is not None and not params:
+            return  # the common case in a step: every parameter already has its state
         layout = self._group_layout(group) if self.implementation != "reference" else None
         for param in group["params"] if params is None else params:
             state = self.state[param]
