@@ -74,14 +74,20 @@ def test_golden_bf16_masters(golden, scenario):
         assert torch.equal(p16.detach(), opt.master_weight(p16).bfloat16())
 
 
-def test_lr_written_into_group_each_step():
+def test_group_lr_is_the_coming_steps_lr():
+    """group["lr"] holds the learning rate the next step uses (as after a torch lr_scheduler.step()),
+    so frameworks that read it before or after a step see the right value."""
     p = torch.nn.Parameter(torch.zeros(2))
     opt = halfadam.AdamW([p], learning_rate=[0.1, 0.2, 0.3])
-    seen = []
+    shown, moved = [], []
     for _ in range(5):
+        shown.append(opt.param_groups[0]["lr"])
+        before = p.detach().clone()
         opt([torch.ones(2)])
-        seen.append(opt.param_groups[0]["lr"])
-    assert seen == [0.1, 0.2, 0.3, 0.3, 0.3]  # past the end the last value holds
+        moved.append(round((before - p.detach())[0].item(), 6))  # constant gradient: Adam moves by lr
+    assert shown == [0.1, 0.2, 0.3, 0.3, 0.3]  # past the end the last value holds
+    assert moved == shown
+    assert opt.param_groups[0]["lr"] == 0.3
 
 
 def test_int_and_0d_tensor_lr():
@@ -101,7 +107,7 @@ def test_weight_decay_schedule_hand_computed():
     for t in range(steps):
         opt([torch.zeros(3, dtype=torch.float64)])
         expected *= 1 - lr * schedule(t)
-        assert opt.param_groups[0]["weight_decay"] == pytest.approx(schedule(t))
+        assert opt.param_groups[0]["weight_decay"] == pytest.approx(schedule(t + 1))  # the coming step's
     assert p.detach() == pytest.approx(torch.full((3,), expected, dtype=torch.float64), rel=1e-12)
 
 
@@ -225,8 +231,8 @@ def test_mindformers_style_readme_example():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        lrs.append(opt.param_groups[0]["lr"])
-    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(5e-4) and lrs[2] == pytest.approx(1e-3)
+        lrs.append(opt.param_groups[0]["lr"])  # the learning rate of the next step
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
     assert math.isclose(opt.param_groups[1]["weight_decay"], 0.0)
 
 

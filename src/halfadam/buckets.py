@@ -8,8 +8,10 @@ entries are views into them: a kernel sees one buffer per quantity, while ``stat
 checkpoints and user code see ordinary per-parameter tensors of the usual shapes and dtypes.
 
 Which parameters are bucketed: float32 parameters (updated through a flat scratch copy) and
-float16/bfloat16 parameters with master weights. float64 parameters and half-precision parameters
-whose master weights are off keep separately allocated state and always take the reference path.
+float16/bfloat16 parameters with master weights, that require a gradient. float64 parameters,
+half-precision parameters whose master weights are off and frozen parameters (``requires_grad=False``:
+a LoRA base model, a partial fine-tune) keep separately allocated state, created only if they ever
+get a gradient, and take the reference path; frozen parameters thus cost no memory in buckets.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def bucket_key(param: Tensor, use_master: bool) -> Optional[Tuple[torch.device, 
     DTensor parameters (FSDP2) keep per-parameter DTensor state, sharded like the parameter, so that
     ``torch.distributed.checkpoint`` saves it sharded; their update runs on local shards.
     """
-    if is_dtensor(param):
+    if is_dtensor(param) or not param.requires_grad:
         return None
     if param.dtype == torch.float32 or (param.dtype in _HALF_DTYPES and use_master):
         return (param.device, param.dtype, bool(use_master))

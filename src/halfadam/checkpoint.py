@@ -232,17 +232,17 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
     never took a step have no entry. Per group: every hyperparameter, ``global_step`` (int) and the
     schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
-    (or ``torch.save``) before the next step if you keep the dict.
+    (or ``torch.save``) before the next step if you keep the dict. Masters are synced with their
+    parameters first (:meth:`halfadam.AdamW.sync_master_weights`). Keys that
+    ``register_state_dict_post_hook`` hooks add, or the dict such a hook returns, are kept.
     """
-    packed = torch.optim.Optimizer.state_dict(optimizer)
-    groups = []
-    for group in packed["param_groups"]:
-        group = dict(group)
-        for key in _SCHEDULE_KEYS:
-            if key in group:
-                group[key] = encode_schedule(group[key])
-        groups.append(group)
-    return {"state": packed["state"], "param_groups": groups}
+    optimizer.sync_master_weights()  # masters of parameters written since the last step take their values
+    packed = torch.optim.Optimizer.state_dict(optimizer)  # runs the state_dict pre/post hooks
+    if isinstance(packed, dict) and isinstance(packed.get("param_groups"), list):
+        packed["param_groups"] = [
+            {k: encode_schedule(v) if k in _SCHEDULE_KEYS else v for k, v in group.items()}
+            for group in packed["param_groups"]]
+    return packed
 
 
 @dataclass
@@ -616,6 +616,7 @@ def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) 
     """
     if not _is_halfadam(optimizer):
         raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
+    optimizer.sync_master_weights()
     masters = {id(p): st["master_weight"] for p, st in optimizer.state.items() if "master_weight" in st}
     source = model.state_dict(keep_vars=True)
     out: "OrderedDict[str, Tensor]" = OrderedDict()

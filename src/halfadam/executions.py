@@ -8,7 +8,9 @@
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
-It advances ``state["step"]``, updates the fp32 master weights (or fp32 parameters) and moments, and
+It advances ``state["step"]``, applies the master-sync rule (:func:`halfadam.functional.sync_master_`:
+an element of a parameter that no longer equals its rounded master was written by someone else, and
+the master takes that value), updates the fp32 master weights (or fp32 parameters) and moments, and
 writes every low-precision parameter back in place (``param.copy_``: round to nearest even), never
 rebinding ``param.data``.
 """
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .buckets import Bucket
-from .functional import adam_coefficients, adam_elementwise_, adam_update_
+from .functional import adam_coefficients, adam_elementwise_, adam_update_, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
 
@@ -63,6 +65,8 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         st["step"] += 1
         master = st.get("master_weight")
         compute_dtype = st["exp_avg"].dtype
+        if master is not None:
+            sync_master_(master, param)
         weight = master if master is not None else param.to(compute_dtype)
         adam_update_(
             weight,
@@ -86,13 +90,16 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Optional[Tensor],
                  coefficients: Tuple[Tensor, ...], grad_scale: Optional[Tensor], decay: str,
                  optimized_update: bool) -> None:
-    """One bucket's update over flat buffers: unscale, :func:`adam_elementwise_`, write the parameters.
+    """One bucket's update over flat buffers: master sync, unscale, :func:`adam_elementwise_`, write back.
 
     ``weight`` (float32, updated in place) is the flat master buffer, or the flat copy of float32
-    parameters; ``grad`` is the flat gradient in any float dtype; ``out`` (or ``None``) receives the
-    new weights rounded to the parameters' dtype. Every changing value is a 0-d tensor, so the
-    compiled form is reused for any learning rate, weight decay, step or loss scale.
+    parameters; ``grad`` is the flat gradient in any float dtype; ``out`` (or ``None``) holds the
+    parameters' current values (read first, for :func:`sync_master_`) and receives the new weights
+    rounded to the parameters' dtype. Every changing value is a 0-d tensor, so the compiled form is
+    reused for any learning rate, weight decay, step or loss scale.
     """
+    if out is not None:
+        sync_master_(weight, out)
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
@@ -133,6 +140,11 @@ def compile_available() -> bool:
 
 def _run_kernel(implementation: str, *args, **kwargs) -> None:
     global _compile_failed
+    if torch.compiler.is_compiling():
+        # Traced by an outer torch.compile (``torch.compile(opt.step)``, a compiled train step): the
+        # plain function is traced into the caller's graph, which is then the fused kernel.
+        _flat_kernel(*args, **kwargs)
+        return
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
             weight, grad, _, _, out = args[:5]
@@ -167,26 +179,32 @@ def _eager_chunks(weight, grad, exp_avg, exp_avg_sq, out, *rest, **kwargs) -> No
         _flat_kernel(weight[s], grad[s], exp_avg[s], exp_avg_sq[s], None if out is None else out[s], *rest, **kwargs)
 
 
-def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implementation: str,
+def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters, implementation: str,
               grad_scale: Optional[Tensor] = None) -> None:
-    """One step for every parameter of ``bucket`` (all have a gradient and the same step count).
+    """One step for the parameters ``bucket.params[i]`` of ``items`` (``(i, grad)`` pairs, ``i`` rising).
 
-    ``grads`` are in the bucket's layout order. ``implementation`` is ``"fused"`` (the kernel compiled
-    by ``torch.compile``: Inductor C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run
-    eagerly over the flat buffers in chunks of :data:`EAGER_CHUNK` elements: a few ops per chunk
-    instead of per tensor) or ``"auto"`` (fused, or foreach when
-    compiling is impossible here).
+    All of them must have the same step count. Parameters of the bucket that are not in ``items``
+    (no gradient this step) are left untouched: the kernel runs over each run of consecutive
+    indices. ``implementation`` is ``"fused"`` (the kernel compiled by ``torch.compile``: Inductor
+    C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run eagerly over the flat buffers
+    in chunks of :data:`EAGER_CHUNK` elements: a few ops per chunk instead of per tensor) or
+    ``"auto"`` (fused, or foreach when compiling is impossible here).
     """
     device = bucket.device
-    bucket.steps.add_(1)
+    if len(items) == len(bucket.params):
+        bucket.steps.add_(1)
+    else:
+        bucket.steps[[i for i, _ in items]] += 1
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
-        step=bucket.steps[0].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-        weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay, optimized_update=hp.optimized_update)
+        step=bucket.steps[items[0][0]].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
+        eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
+        optimized_update=hp.optimized_update)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
     rest = dict(decay=hp.decay, optimized_update=hp.optimized_update)
-    for i, j, direct in _segments(bucket, grads):
+    grads = dict(items)
+    for i, j, direct in _segments(bucket, items):
         a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.numels[j - 1]
         m, v = bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b]
         if direct:  # one large parameter: read its gradient and write it in place, no copies
@@ -196,19 +214,19 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
             else:
                 _run_kernel(implementation, param, grad, m, v, None, coefficients, grad_scale, **rest)
             continue
-        # a run of smaller parameters: gather their gradients into the flat buffer, one kernel call,
-        # copy the results into the parameters
-        seg_grads = grads[i:j]
+        # a run of smaller parameters: gather their values and gradients into flat buffers, one kernel
+        # call, copy the results into the parameters
+        seg_grads = [grads[k] for k in range(i, j)]
         gdtype = seg_grads[0].dtype
         if any(g.dtype != gdtype for g in seg_grads):
             gdtype = torch.float32  # mixed gradient dtypes: gather (converting) into a float32 buffer
         buf = bucket.grad_buffer(gdtype)
         torch._foreach_copy_(bucket.views(buf)[i:j], seg_grads)
         out_views = bucket.views(bucket.out)[i:j]
+        torch._foreach_copy_(out_views, bucket.params[i:j])
         if bucket.master is not None:
             weight, out = bucket.master[a:b], bucket.out[a:b]
         else:
-            torch._foreach_copy_(out_views, bucket.params[i:j])
             weight, out = bucket.out[a:b], None
         _run_kernel(implementation, weight, buf[a:b], m, v, out, coefficients, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
@@ -219,15 +237,23 @@ def flat_step(bucket: Bucket, grads: List[Tensor], hp: Hyperparameters, implemen
 DIRECT_MIN_NUMEL = 1 << 16
 
 
-def _segments(bucket: Bucket, grads: List[Tensor]):
-    """Split the bucket into ``(i, j, direct)`` runs of parameters ``i:j`` (direct: one large one)."""
-    segments, start = [], 0
-    for k, (p, g) in enumerate(zip(bucket.params, grads)):
+def _segments(bucket: Bucket, items: List[Tuple[int, Tensor]]):
+    """Split ``items`` into ``(i, j, direct)`` runs of consecutive parameters ``i:j`` (direct: one large one)."""
+    segments, start, end = [], None, None
+    for k, g in items:
+        if start is not None and k != end:  # a gap (a parameter without a gradient) ends the run
+            segments.append((start, end, False))
+            start = None
+        p = bucket.params[k]
         if bucket.numels[k] >= DIRECT_MIN_NUMEL and p.is_contiguous() and g.is_contiguous():
-            if start < k:
+            if start is not None:
                 segments.append((start, k, False))
             segments.append((k, k + 1, True))
-            start = k + 1
-    if start < len(bucket.params):
-        segments.append((start, len(bucket.params), False))
+            start = None
+            continue
+        if start is None:
+            start = k
+        end = k + 1
+    if start is not None:
+        segments.append((start, end, False))
     return segments

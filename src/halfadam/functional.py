@@ -20,6 +20,17 @@ update, optimized_update     ``w <- w - lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (
 
 ``optimized_update`` (labml's ``AdamFP16`` default) adds ``eps`` before bias-correcting the second
 moment; the two forms differ only in where ``eps`` enters.
+
+Master sync (:func:`sync_master_`), before every update of a parameter that has an fp32 master
+weight ``w32`` and a float16/bfloat16 value ``w16``:
+
+==========================  =====================================================================
+master sync                  ``w32 <- w16   where  w16 != round(w32)``  (element by element)
+==========================  =====================================================================
+
+After a step ``w16 == round(w32)`` holds everywhere (the step writes ``w16 <- round(w32)``), so an
+element where it fails was written by someone else since (``load_state_dict``, ``copy_``, ``.data``,
+a framework), and the step starts from that value, as it would without a master.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from typing import Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_"]
+__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_"]
 
 #: Accepted values of ``decay``: how weight decay enters the update (see the module docstring).
 DECAY_MODES = ("decoupled", "absolute", "l2")
@@ -185,6 +196,30 @@ def adam_elementwise_(
         param.sub_(exp_avg / denom * step_size)
     else:
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def sync_master_(master: Tensor, param: Tensor) -> None:
+    """The master-sync rule: ``master`` takes ``param``'s value wherever ``param != round(master)``.
+
+    Args:
+        master: float32 tensor (the fp32 master weight), updated in place.
+        param: tensor of ``master``'s shape in the parameter's dtype (float16, bfloat16, or float32),
+            read only; ``round`` is the conversion to that dtype (round to nearest even, as the step's
+            write-back).
+
+    An element whose bits differ from the rounded master's was changed outside the optimizer;
+    elements still equal to the rounded master keep the master's extra bits. For a float32 ``param``
+    the rule makes ``master`` a copy of ``param``. The comparison is of bit patterns (``view`` as
+    integers): it is exact for nan and signed zeros, and a compiler cannot elide the rounding, as
+    Inductor does in ``param != master.to(param.dtype)``, comparing against the unrounded master.
+    """
+    bits = _SAME_SIZE_INT[param.dtype]
+    stale = param.view(bits) != master.to(param.dtype).view(bits)
+    master.copy_(torch.where(stale, param.to(master.dtype), master))
+
+
+_SAME_SIZE_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+                  torch.float64: torch.int64}
 
 
 def _sqrt(x: Scalar) -> Scalar:

@@ -4,11 +4,18 @@ The forms follow the documented mindformers ``AdamW`` contract (where its implem
 its documentation, the documentation wins):
 
 * learning rate (``lr`` or ``learning_rate``): a float or int >= 0; a 0-d tensor (fixed); a 1-D tensor
-  or any other iterable of numbers (dynamic: global step ``t``, 0-based, uses element ``t``; past the
-  last element the last value holds); or a schedule, any callable taking the global step (int) and
-  returning a number (for example the classes of :mod:`halfadam.schedules`).
+  or any other finite sequence of numbers (an iterable with a length: list, tuple, range, array;
+  dynamic: global step ``t``, 0-based, uses element ``t``; past the last element the last value
+  holds); or a schedule, any callable taking the global step (int) and returning a number (for
+  example the classes of :mod:`halfadam.schedules`). A one-shot iterator (a generator,
+  ``itertools.repeat``) is a TypeError: it may be endless, and a checkpoint could not store it;
+  pass ``list(...)`` of it, or a schedule. A mapping is a TypeError (its keys are not steps).
 * weight decay: a float or int >= 0, or a schedule (callable of the global step).
-* ``betas``: a pair of floats in (0.0, 1.0); ``eps``: a float > 0.
+* ``betas``: a pair of floats in (0.0, 1.0); ``eps``: a float > 0 that stays > 0 in float32, the
+  dtype the update is computed in (``1e-46`` would be 0 there, and ``0/0`` where a gradient is 0).
+
+Values are checked in the dtype the math runs in (float32): a learning rate or weight decay that is
+finite as a Python float but overflows float32 (``1e39``) is a ValueError too.
 
 Each function raises ``TypeError`` for a value of the wrong type and ``ValueError`` for one out of
 range, nan or inf, with a message that names the argument (``where``) and the value.
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
+from collections.abc import Mapping, Sized
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
@@ -56,11 +65,19 @@ def _is_float(x: Any) -> bool:
     return _is_number(x) and not isinstance(x, numbers.Integral)
 
 
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, the dtype the update is computed in (inf if it overflows)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def check_value(value: float, where: str) -> float:
-    """``value`` as a float, checked to be finite and >= 0 (ValueError naming ``where`` otherwise)."""
+    """``value`` as a float, checked to be finite (also in float32) and >= 0 (ValueError naming ``where``)."""
     value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{where} must be finite, got {value}")
+    if not (math.isfinite(value) and math.isfinite(_as_float32(value))):
+        raise ValueError(f"{where} must be finite (in float32, the dtype of the update), got {value}")
     if value < 0:
         raise ValueError(f"{where} must be >= 0, got {value}")
     return value
@@ -74,13 +91,16 @@ def parse_lr(value: Any, where: str = "lr") -> Tuple[float, Optional[Schedule]]:
         rate.
 
     Raises:
-        TypeError: not an int, float, tensor, iterable of numbers or callable.
+        TypeError: not an int, float, tensor, finite sequence of numbers or callable (a one-shot
+            iterator, a mapping, a string); a schedule that cannot be called with the global step.
         ValueError: negative, nan or inf (any element of a sequence), a tensor of more than one
-            dimension, or an empty sequence.
+            dimension or on the meta device (no value), or an empty sequence.
     """
     if _is_number(value):
         return check_value(value, where), None
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise ValueError(f"{where} is a tensor on the meta device, which holds no value")
         if value.dim() > 1:
             raise ValueError(f"{where} as a tensor must have 0 or 1 dimensions, got shape {tuple(value.shape)}")
         if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
@@ -90,10 +110,16 @@ def parse_lr(value: Any, where: str = "lr") -> Tuple[float, Optional[Schedule]]:
         return _parse_sequence(value.tolist(), where)
     if callable(value):
         return check_value(_call_schedule(value, 0, where), where), value
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
         raise TypeError(
-            f"{where} must be a float, an int, a tensor, an iterable of numbers or a schedule "
+            f"{where} must be a float, an int, a tensor, a sequence of numbers or a schedule "
             f"(a callable of the global step), got {type(value).__name__}: {value!r}"
+        )
+    if not isinstance(value, Sized):
+        raise TypeError(
+            f"{where} as per-step values must be a finite sequence (list, tuple, 1-D tensor), got a one-shot "
+            f"iterator ({type(value).__name__}), which may be endless and cannot be checkpointed: pass "
+            f"list(...) of its first values, or a schedule (a callable of the global step)"
         )
     return _parse_sequence(list(value), where)
 
@@ -120,7 +146,7 @@ def parse_weight_decay(value: Any, where: str = "weight_decay") -> Tuple[float, 
     """
     if _is_number(value):
         return check_value(value, where), None
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and not value.is_meta:
         return check_value(value.item(), where), None
     if callable(value):
         return check_value(_call_schedule(value, 0, where), where), value
@@ -147,16 +173,20 @@ def parse_betas(betas: Any, where: str = "betas") -> Tuple[float, float]:
 
 
 def parse_eps(eps: Any, where: str = "eps") -> float:
-    """Validate ``eps``: a float > 0 and finite.
+    """Validate ``eps``: a float > 0 and finite, also once rounded to float32 (the compute dtype).
 
     Raises:
         TypeError: not a float.
-        ValueError: <= 0, nan or inf.
+        ValueError: <= 0, nan or inf, or 0 or inf in float32 (e.g. ``1e-46``, ``1e39``).
     """
     if not _is_float(eps):
         raise TypeError(f"{where} must be a float, got {type(eps).__name__}: {eps!r}")
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"{where} must be > 0 and finite, got {eps}")
+    as_f32 = _as_float32(eps)
+    if not (0 < as_f32 < math.inf):
+        raise ValueError(f"{where}={eps} is {as_f32} in float32, the dtype the update is computed in; it must "
+                         f"be > 0 and finite there (float32 keeps values from about 1.4e-45 to 3.4e38)")
     return float(eps)
 
 
@@ -166,8 +196,13 @@ def value_at(schedule: Schedule, step: int, where: str) -> float:
 
 
 def _call_schedule(schedule: Schedule, step: int, where: str) -> float:
-    value = schedule(step)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    try:
+        value = schedule(step)
+    except TypeError as exc:
+        raise TypeError(f"{where} schedule could not be called with the global step ({step}): {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{where} schedule failed at global step {step}: {exc}") from exc
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
         value = value.item()
     if not _is_number(value):
         raise TypeError(f"{where} schedule returned {type(value).__name__} at step {step}, expected a number")

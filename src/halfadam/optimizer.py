@@ -9,6 +9,7 @@ decay enters.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,9 +17,9 @@ from torch import Tensor
 
 from . import hyperparams
 from .buckets import Bucket, build_buckets
-from .distributed import localize
+from .distributed import local, localize
 from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
-from .functional import DECAY_MODES
+from .functional import DECAY_MODES, sync_master_
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
 
@@ -89,6 +90,9 @@ class _AdamBase(torch.optim.Optimizer):
         # Validate every group before anything is built; add_param_group validates again (cheaply)
         # because it is also the public way to add a group later.
         groups = [self._normalize_group(g, f"param_groups[{i}]") for i, g in enumerate(groups)]
+        _check_disjoint(groups)
+        if not any(g["params"] for g in groups):
+            raise ValueError("params holds no parameter: every parameter group is empty")
         _check_order_params(order_params, groups)
         if order_params is not None:
             rank = {id(p): i for i, p in enumerate(order_params)}
@@ -113,7 +117,11 @@ class _AdamBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
     def _normalize_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
-        """Validate one parameter group and turn its hyperparameters into their stored form."""
+        """Validate one parameter group and turn its hyperparameters into their stored form.
+
+        Raises TypeError/ValueError naming the group and key (see the class docstring); nothing is
+        built before every group has passed.
+        """
         group = dict(group)
         if "learning_rate" in group:
             if "lr" in group:
@@ -121,6 +129,7 @@ class _AdamBase(torch.optim.Optimizer):
             group["lr"] = group.pop("learning_rate")
         if "params" not in group:
             raise ValueError(f"{where} has no 'params' key")
+        _check_group_keys(group, where)
         params = group["params"]
         if isinstance(params, Tensor):
             params = [params]
@@ -128,8 +137,19 @@ class _AdamBase(torch.optim.Optimizer):
             raise TypeError(f"{where}['params'] must be an ordered collection of tensors, not a set")
         else:
             params = list(params)
+        named = [_is_named(p) for p in params]
+        if any(named):
+            if not all(named):
+                raise ValueError(f"{where}['params'] mixes (name, parameter) pairs and bare parameters")
+            group["param_names"] = [name for name, _ in params]
+            params = [p for _, p in params]
+        seen: Dict[int, int] = {}
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
+            if id(p) in seen:
+                raise ValueError(f"{where}['params'][{j}] is the same tensor as {where}['params'][{seen[id(p)]}]: "
+                                 f"each parameter may appear once (it would be updated twice per step)")
+            seen[id(p)] = j
         group["params"] = params
         # A group that already holds "<key>_schedule" is in stored form (normalized before).
         if "lr" in group and "lr_schedule" not in group:
@@ -152,6 +172,7 @@ class _AdamBase(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         group = self._normalize_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        _check_disjoint(self.param_groups + [group])
         group.setdefault("global_step", max((g["global_step"] for g in self.param_groups), default=0))
         super().add_param_group(group)
         if self._order_params is not None and len(self.param_groups) > 1:
@@ -169,10 +190,36 @@ class _AdamBase(torch.optim.Optimizer):
         use_master = group["master_weights"]
         return param.dtype in _HALF_DTYPES if use_master is None else use_master
 
+    def _state_fits(self, param: Tensor, state: dict, group: Dict[str, Any]) -> bool:
+        """Whether ``state`` was made for ``param`` as it is now (device, dtype, master setting)."""
+        ea = state.get("exp_avg")
+        return (ea is not None and ea.device == param.device and ea.dtype == _compute_dtype(param)
+                and ("master_weight" in state) == self._use_master(param, group))
+
+    def _conform_state(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
+        """Give ``state`` the form it would have had if ``param`` had always had its current dtype and device.
+
+        After ``model.half()``, ``.bfloat16()``, ``.float()``, ``.to(device)`` between steps: the moments
+        are moved and kept in the compute dtype (float32; float64 for float64 parameters); a parameter
+        that now keeps a master weight gets one from its current value (or its old master, moved,
+        which the master-sync rule then reconciles with the value); one that keeps none any more drops
+        it (its value is the weight). The step count stays. New tensors are made, never views into a
+        previous bucket.
+        """
+        compute = _compute_dtype(param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = state[key].to(device=param.device, dtype=compute, copy=True)
+        if self._use_master(param, group):
+            old = state.get("master_weight")
+            source = param.detach() if old is None else old
+            state["master_weight"] = source.to(device=param.device, dtype=compute, copy=True)
+        else:
+            state.pop("master_weight", None)
+
     def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
-        """Parameter ``param``'s state, initialised if empty (see :meth:`_init_group_state`)."""
+        """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device."""
         state = self.state[param]
-        if not state:
+        if not state or not self._state_fits(param, state, group):
             self._init_group_state(group, [param])
         return state
 
@@ -181,13 +228,16 @@ class _AdamBase(torch.optim.Optimizer):
 
         The one place state is created. Bucketed parameters (see :mod:`halfadam.buckets`) get views
         into their bucket's flat buffers (values already in ``state[p]`` are copied in); the others
-        get separately allocated tensors. Keys and dtypes are the same either way.
+        get separately allocated tensors. Keys and dtypes are the same either way. State made for
+        another dtype or device of the parameter is conformed first (:meth:`_conform_state`).
         """
         if params is not None and not params:
             return  # the common case in a step: every parameter already has its state
         layout = self._group_layout(group) if self.implementation != "reference" else None
         for param in group["params"] if params is None else params:
             state = self.state[param]
+            if state and not self._state_fits(param, state, group):
+                self._conform_state(param, state, group)
             loc = None if layout is None else layout.where.get(id(param))
             if loc is not None:
                 if not state or not loc[0].is_attached(state, loc[1]):
@@ -195,7 +245,7 @@ class _AdamBase(torch.optim.Optimizer):
                 continue
             if state:
                 continue
-            compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            compute_dtype = _compute_dtype(param)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if self._use_master(param, group):
                 state["master_weight"] = param.detach().to(compute_dtype, copy=True)
@@ -203,59 +253,76 @@ class _AdamBase(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
 
     def _group_layout(self, group: Dict[str, Any]) -> "_GroupLayout":
-        """The buckets of ``group``, (re)built when the group, its parameters or ``self.state`` changed.
+        """The buckets of ``group``, (re)built when the group, its parameters (identity, dtype, device,
+        ``requires_grad``) or ``self.state`` changed.
 
         On a rebuild, parameters that already have state (e.g. after ``load_state_dict`` replaced
-        ``self.state``) are attached to the new buffers with their values.
+        ``self.state``, or after ``model.half()``) are conformed to their parameter and attached to
+        the new buffers with their values; state left outside every bucket gets its own tensors.
         """
         layout = self._layouts.get(id(group))
-        ids = [id(p) for p in group["params"]]
-        if layout is not None and layout.group is group and layout.state is self.state and layout.ids == ids:
+        key = [(id(p), p.dtype, p.device, p.requires_grad) for p in group["params"]]
+        if layout is not None and layout.group is group and layout.state is self.state and layout.key == key:
             return layout
         params = group["params"]
         buckets = build_buckets(params, [self._use_master(p, group) for p in params])
-        layout = _GroupLayout(group, self.state, ids, buckets)
+        layout = _GroupLayout(group, self.state, key, buckets)
         self._layouts[id(group)] = layout
-        for b in buckets:
-            for i, p in enumerate(b.params):
-                if p in self.state and self.state[p]:
-                    b.attach(self.state[p], i)
+        for p in params:
+            state = self.state.get(p)
+            if not state:
+                continue
+            if not self._state_fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
+                self._conform_state(p, state, group)  # new tensors: nothing keeps an old bucket alive
+            loc = layout.where.get(id(p))
+            if loc is not None:
+                loc[0].attach(state, loc[1])
         return layout
 
     def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
                    grad_scale: Optional[Tensor]) -> None:
-        """Dispatch one group's step: whole buckets to the flat path, everything else to the reference."""
-        self._init_group_state(group, [p for p, _ in pairs if not self.state[p]])
-        if self.implementation == "reference":
+        """Dispatch one group's step: buckets to the flat path, everything else to the reference.
+
+        The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
+        or unused parameters leave gaps) go to one flat step when their step counts agree.
+        """
+        layout = None if self.implementation == "reference" else self._group_layout(group)
+        where = {} if layout is None else layout.where
+        self._init_group_state(group, [p for p, _ in pairs if not self.state[p] or (
+            id(p) not in where and not self._state_fits(p, self.state[p], group))])
+        if layout is None:
             reference_step(*localize(pairs, self.state), hp, grad_scale)
             return
-        layout = self._group_layout(group)
-        per_bucket: Dict[int, List[Tuple[Tensor, Tensor]]] = {}
+        per_bucket: Dict[int, List[Tuple[int, Tensor, Tensor]]] = {}
         rest = []
         for p, g in pairs:
-            loc = layout.where.get(id(p))
+            loc = where.get(id(p))
             if loc is None:
                 rest.append((p, g))
             else:
-                per_bucket.setdefault(id(loc[0]), []).append((p, g))
+                per_bucket.setdefault(id(loc[0]), []).append((loc[1], p, g))
         for bucket in layout.buckets:
             items = per_bucket.get(id(bucket))
             if not items:
                 continue
-            # Whole bucket with one step count: one flat kernel. Otherwise (some parameters without a
-            # gradient, or step counts that diverged) the reference path, on the same state views.
-            if len(items) == len(bucket.params) and bool((bucket.steps == bucket.steps[0]).all()):
-                flat_step(bucket, [g for _, g in items], hp, self.implementation, grad_scale)
+            items.sort(key=lambda item: item[0])
+            index = [i for i, _, _ in items]
+            steps = bucket.steps if len(index) == len(bucket.params) else bucket.steps[index]
+            # One step count: one flat step. Otherwise (step counts that diverged) the reference path,
+            # on the same state views, so that state["step"] keeps torch's per-parameter meaning.
+            if bool((steps == steps[0]).all()):
+                flat_step(bucket, [(i, g) for i, _, g in items], hp, self.implementation, grad_scale)
             else:
-                rest.extend(items)
+                rest.extend((p, g) for _, p, g in items)
         if rest:
             reference_step(*localize(rest, self.state), hp, grad_scale)
 
     def master_weight(self, param: Tensor) -> Tensor:
-        """The fp32 tensor this optimizer updates for ``param``.
+        """The fp32 tensor this optimizer updates for ``param``, in sync with the parameter.
 
         The master copy for a parameter with master weights (created from the parameter now if no step
-        has run yet), or the parameter itself for a float32 parameter without one.
+        has run yet; elements where the parameter was changed since take its value, see
+        :meth:`sync_master_weights`), or the parameter itself for a float32 parameter without one.
 
         Raises:
             KeyError: ``param`` is not in this optimizer.
@@ -266,11 +333,35 @@ class _AdamBase(torch.optim.Optimizer):
             if any(p is param for p in group["params"]):
                 state = self._init_state(param, group)
                 if "master_weight" in state:
+                    with torch.no_grad():
+                        sync_master_(local(state["master_weight"]), local(param))
                     return state["master_weight"]
                 if param.dtype in _HALF_DTYPES:
                     raise ValueError(f"master weights are off for this {param.dtype} parameter: it has no fp32 copy")
                 return param
         raise KeyError("the tensor is not a parameter of this optimizer")
+
+    @torch.no_grad()
+    def sync_master_weights(self) -> None:
+        """Apply the master-sync rule to every parameter that has state, now.
+
+        Wherever a float16/bfloat16 parameter no longer equals its fp32 master rounded to the
+        parameter's dtype (it was written outside the optimizer: ``model.load_state_dict``, ``copy_``,
+        ``.data``, a framework), the master takes the parameter's value, element by element
+        (:func:`halfadam.functional.sync_master_`); elsewhere it keeps its extra bits. State made for
+        another dtype or device of a parameter (``model.half()``, ``.to(device)``) is conformed too.
+
+        :meth:`step` applies the rule itself, inside the update, to every parameter it updates, and
+        :meth:`master_weight`, :meth:`state_dict` and :meth:`master_state_dict` before they read the
+        masters, so calling this is never required; it is for code that reads
+        ``optimizer.state[p]["master_weight"]`` directly.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    master = self._init_state(p, group).get("master_weight")
+                    if master is not None:
+                        sync_master_(local(master), local(p))
 
     # ------------------------------------------------------------------ checkpoints
     # The work is in halfadam.checkpoint; these methods only delegate to it.
@@ -339,38 +430,41 @@ class _AdamBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        # Everything is checked before anything changes: a failing call leaves the optimizer as it was.
+        if grads is not None:
+            _check_grads_keys(grads, self.param_groups)
+        if grad_scale is not None and not (isinstance(grad_scale, Tensor) and grad_scale.numel() == 1
+                                           and grad_scale.is_floating_point()):
+            raise TypeError(f"grad_scale must be None or a 1-element floating tensor, got {grad_scale!r}")
         plan = []
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
             self._warn_if_overridden(group, where)
-            lr = _resolve(group, "lr", where)
-            weight_decay = _resolve(group, "weight_decay", where)
+            step = group["global_step"]
+            lr, weight_decay = _resolve(group, "lr", where, step), _resolve(group, "weight_decay", where, step)
+            # what group["lr"] / ["weight_decay"] show after the step: the values of the next one (a bad
+            # value there is the next step's error, not this one's)
+            after = {key: _peek(group, key, step + 1) for key in ("lr", "weight_decay")
+                     if group.get(f"{key}_schedule") is not None}
             pairs = []
             for j, p in enumerate(group["params"]):
                 g = p.grad if grads is None else grads.get(p)
                 if g is None:
                     continue
                 _check_grad(g, p, f"gradient of {where}['params'][{j}]")
+                _check_writable(p, f"{where}['params'][{j}]")
                 pairs.append((p, g))
-            plan.append((group, lr, weight_decay, pairs))
+            plan.append((group, lr, weight_decay, after, pairs))
 
-        for group, lr, weight_decay, pairs in plan:
-            group["lr"], group["weight_decay"] = lr, weight_decay
-            self._written[id(group)] = (lr, weight_decay)
+        for group, lr, weight_decay, after, pairs in plan:
+            if pairs:
+                beta1, beta2 = group["betas"]
+                hp = Hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=weight_decay,
+                                     decay=group["decay"], optimized_update=group["optimized_update"])
+                self._run_group(group, pairs, hp, grad_scale)
             group["global_step"] += 1
-            if not pairs:
-                continue
-            beta1, beta2 = group["betas"]
-            hp = Hyperparameters(
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=weight_decay,
-                decay=group["decay"],
-                optimized_update=group["optimized_update"],
-            )
-            self._run_group(group, pairs, hp, grad_scale)
+            group.update((k, v) for k, v in after.items() if v is not None)
+            self._written[id(group)] = (group["lr"], group["weight_decay"])
         return loss
 
     def _warn_if_overridden(self, group: Dict[str, Any], where: str) -> None:
@@ -411,13 +505,93 @@ class _AdamBase(torch.optim.Optimizer):
         return tuple(True for _ in order)
 
 
-def _resolve(group: Dict[str, Any], key: str, where: str) -> float:
-    """The group's value of ``key`` for its current global step, validated."""
+def _peek(group: Dict[str, Any], key: str, step: int) -> Optional[float]:
+    """The scheduled value of ``key`` at ``step``, or ``None`` if the schedule fails there."""
+    try:
+        return hyperparams.value_at(group[f"{key}_schedule"], step, key)
+    except Exception:
+        return None
+
+
+def _check_grads_keys(grads: Any, groups: List[Dict[str, Any]]) -> None:
+    """``step(grads=...)``: a mapping whose keys are this optimizer's parameters themselves."""
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
+    known = {id(p) for g in groups for p in g["params"]}
+    for key in grads:
+        if id(key) not in known:
+            what = f"a tensor of shape {tuple(key.shape)}" if isinstance(key, Tensor) else repr(key)
+            raise ValueError(f"grads has a key that is not a parameter of this optimizer ({what}); key the "
+                             f"gradients by the parameters themselves (p, not p.detach() or p.data)")
+
+
+def _compute_dtype(param: Tensor) -> torch.dtype:
+    """The dtype of the update math and moments for ``param``: float64 for float64, else float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _is_view(t: Tensor) -> bool:
+    return local(t)._base is not None
+
+
+def _resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
+    """The group's value of ``key`` at global step ``step`` (its schedule's, or the fixed value), validated."""
     schedule = group.get(f"{key}_schedule")
     if schedule is not None:
-        return hyperparams.value_at(schedule, group["global_step"], f"{where}['{key}']")
+        return hyperparams.value_at(schedule, step, f"{where}['{key}']")
     value = group[key]  # a number, or a tensor set by the user or a torch lr_scheduler
     return hyperparams.check_value(value.item() if isinstance(value, Tensor) else value, f"{where}['{key}']")
+
+
+#: Group keys beyond the hyperparameters: metadata that torch and its schedulers write into groups.
+_METADATA_GROUP_KEYS = ("param_names", "initial_lr", "name")
+#: torch.optim.AdamW's group flags: accepted only at the value that means "off" (what halfadam does).
+_TORCH_FLAGS_OFF = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+                    "foreach": None, "fused": None}
+#: Every key a group may hold (``global_step`` and the schedules appear in groups saved or copied
+#: from a halfadam optimizer, e.g. by ZeroRedundancyOptimizer).
+_GROUP_KEYS = frozenset(("params", "lr", "lr_schedule", "betas", "eps", "weight_decay", "weight_decay_schedule",
+                         "decay", "optimized_update", "master_weights", "global_step")
+                        + _METADATA_GROUP_KEYS + tuple(_TORCH_FLAGS_OFF))
+
+
+def _check_group_keys(group: Dict[str, Any], where: str) -> None:
+    """Reject unknown keys, torch flags halfadam does not implement, and flags of the wrong type."""
+    unknown = sorted(str(k) for k in group if k not in _GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {unknown}; a group may hold {sorted(_GROUP_KEYS)}")
+    for key, off in _TORCH_FLAGS_OFF.items():
+        if key in group and group[key] is not off and group[key] != off:
+            hint = " (choose the execution with implementation=...)" if key in ("foreach", "fused") else ""
+            raise ValueError(f"{where}['{key}']={group[key]!r} is not supported by halfadam{hint}; only "
+                             f"{off!r} is accepted")
+    if "master_weights" in group and group["master_weights"] is not None and not isinstance(
+            group["master_weights"], bool):
+        raise TypeError(f"{where}['master_weights'] must be None, True or False, got {group['master_weights']!r}")
+    if "optimized_update" in group and not isinstance(group["optimized_update"], bool):
+        raise TypeError(f"{where}['optimized_update'] must be True or False, got {group['optimized_update']!r}")
+    if "decay" in group and group["decay"] not in DECAY_MODES:
+        raise ValueError(f"{where}['decay'] must be one of {DECAY_MODES}, got {group['decay']!r}")
+    gs = group.get("global_step", 0)
+    if isinstance(gs, bool) or not isinstance(gs, int):
+        raise TypeError(f"{where}['global_step'] must be an int, got {gs!r}")
+    if gs < 0:
+        raise ValueError(f"{where}['global_step'] must be >= 0, got {gs}")
+    for key in ("lr_schedule", "weight_decay_schedule"):
+        if group.get(key) is not None and not callable(group[key]):
+            raise TypeError(f"{where}['{key}'] must be None or a callable of the global step, got {group[key]!r}")
+
+
+def _check_disjoint(groups: List[Dict[str, Any]]) -> None:
+    """Each parameter in at most one group (ValueError naming both places otherwise)."""
+    seen: Dict[int, str] = {}
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            here = f"param_groups[{gi}]['params'][{j}]"
+            if id(p) in seen:
+                raise ValueError(f"{here} is the same tensor as {seen[id(p)]}: a parameter may not be in more than "
+                                 f"one parameter group")
+            seen[id(p)] = here
 
 
 def _check_param(p: Any, where: str) -> None:
@@ -429,6 +603,14 @@ def _check_param(p: Any, where: str) -> None:
         raise TypeError(f"{where} is a sparse tensor; sparse parameters are not supported")
     if not (p.is_leaf or p.retains_grad):
         raise ValueError(f"{where} is a non-leaf tensor; optimizers update leaf tensors only")
+    _check_writable(p, where)
+
+
+def _check_writable(p: Tensor, where: str) -> None:
+    """A parameter whose elements share memory (an ``expand``-ed tensor: stride 0) cannot be updated in place."""
+    if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+        raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {p.stride()}) has elements that share memory "
+                         f"(an expand()-ed tensor?); it cannot be updated in place: pass a contiguous copy")
 
 
 def _check_grad(g: Any, p: Tensor, where: str) -> None:
@@ -440,6 +622,8 @@ def _check_grad(g: Any, p: Tensor, where: str) -> None:
         raise TypeError(f"{where} must be floating point, got dtype {g.dtype}")
     if g.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(g.shape)}, its parameter has {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{where} is on {g.device}, its parameter on {p.device}")
 
 
 def _split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tensor]]]:
@@ -463,10 +647,11 @@ def _split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tens
                 order_params = list(item["order_params"])
             else:
                 groups.append(item)
-        elif isinstance(item, Tensor):
+        elif isinstance(item, Tensor) or _is_named(item):
             tensors.append(item)
         else:
-            raise TypeError(f"params[{i}] must be a tensor (a parameter) or a dict, got {type(item).__name__}")
+            raise TypeError(f"params[{i}] must be a tensor (a parameter), a (name, parameter) pair or a dict, "
+                            f"got {type(item).__name__}")
     if tensors and groups:
         raise TypeError("params mixes tensors and dicts: give a list of parameters or a list of group dicts")
     if tensors:
@@ -474,6 +659,11 @@ def _split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tens
     if not groups:
         raise ValueError("params holds order_params but no parameter group")
     return groups, order_params
+
+
+def _is_named(item: Any) -> bool:
+    """A ``(name, parameter)`` pair, as ``model.named_parameters()`` yields."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
 
 
 def _check_order_params(order: Optional[List[Any]], groups: List[Dict[str, Any]]) -> None:
@@ -626,8 +816,9 @@ class AdamFP16(_AdamBase):
 
 
 class _GroupLayout:
-    """A group's buckets and where each parameter sits in them (valid while group and state stay)."""
+    """A group's buckets and where each parameter sits in them (valid while group, state and ``key``, the
+    parameters' identities, dtypes, devices and ``requires_grad``, stay)."""
 
-    def __init__(self, group: Dict[str, Any], state: Any, ids: List[int], buckets: List[Bucket]):
-        self.group, self.state, self.ids, self.buckets = group, state, ids, buckets
+    def __init__(self, group: Dict[str, Any], state: Any, key: list, buckets: List[Bucket]):
+        self.group, self.state, self.key, self.buckets = group, state, key, buckets
         self.where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}

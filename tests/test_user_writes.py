@@ -1,0 +1,361 @@
+"""The next step starts from what the user did: master sync, dtype/device changes, all-or-nothing calls.
+
+Every expected value comes from torch.optim.AdamW on float32 copies that were given the same writes.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import halfadam
+from halfadam import executions
+
+IMPLS = ["reference", "foreach", "fused"]
+HALF = [torch.float16, torch.bfloat16]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _pair(dtype, impl, lr=1e-3, seed=0):
+    """A half Linear(4, 3) with halfadam, and a float32 twin with torch.optim.AdamW from the same values."""
+    torch.manual_seed(seed)
+    half = torch.nn.Linear(4, 3).to(dtype)
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    return (half, halfadam.AdamW(half.parameters(), lr=lr, weight_decay=0.01, implementation=impl),
+            ref, torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01))
+
+
+def _step(half, opt, ref, ref_opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p, q in zip(half.parameters(), ref.parameters()):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad, q.grad = grad.to(p.dtype), grad.to(p.dtype).float()
+    opt.step()
+    ref_opt.step()
+
+
+def _assert_follows(half, opt, ref):
+    for p, q in zip(half.parameters(), ref.parameters()):
+        assert _rel(opt.master_weight(p), q.detach()) <= 1e-6
+        assert torch.equal(p.detach(), q.detach().to(p.dtype))
+
+
+WRITES = {
+    "load_state_dict": lambda m: m.load_state_dict({k: torch.full_like(v, 0.5) for k, v in m.state_dict().items()}),
+    "copy_": lambda m: [p.copy_(torch.full_like(p, 3.0)) for p in m.parameters()],
+    ".data": lambda m: [p.data.mul_(0) for p in m.parameters()],
+    "one element": lambda m: m.weight.data.__setitem__((1, 2), 0.25),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("write", list(WRITES))
+def test_write_between_steps_is_the_next_steps_start(write, dtype, impl):
+    """fp16 Linear(4, 3), one step, a write, one more step: the step starts from the written values."""
+    half, opt, ref, ref_opt = _pair(dtype, impl)
+    _step(half, opt, ref, ref_opt, 0)
+    with torch.no_grad():
+        WRITES[write](half)
+        WRITES[write](ref)  # values exact in every dtype: the fp32 twin gets the same weights
+    _step(half, opt, ref, ref_opt, 1)
+    _assert_follows(half, opt, ref)
+    if write == "load_state_dict":  # the issue's figure: the stale master brought back |w - 0.5| = 0.91
+        assert (half.weight.detach().float() - 0.5).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unchanged_elements_keep_the_masters_extra_bits(impl):
+    """Only the elements the user wrote take the parameter's value; the others stay exact masters."""
+    half, opt, ref, ref_opt = _pair(torch.bfloat16, impl, lr=1e-4)
+    for k in range(5):
+        _step(half, opt, ref, ref_opt, k)
+    w = half.weight
+    master = opt.master_weight(w).clone()
+    assert not torch.equal(master, w.detach().float())  # the master holds bits the bf16 weight lacks
+    with torch.no_grad():
+        w[0, 0] = 7.0
+        ref.weight[0, 0] = 7.0
+    opt.sync_master_weights()
+    after = opt.state[w]["master_weight"]
+    assert after[0, 0].item() == 7.0
+    assert torch.equal(after.flatten()[1:], master.flatten()[1:])
+    _step(half, opt, ref, ref_opt, 9)
+    _assert_follows(half, opt, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pretrained_weights_loaded_after_master_weight_call(impl):
+    """No step at all: master_weight(p) made the master, then pretrained weights were loaded."""
+    half, opt, ref, ref_opt = _pair(torch.float16, impl)
+    for p in half.parameters():
+        opt.master_weight(p)
+    pretrained = {k: torch.randn_like(v) for k, v in half.state_dict().items()}
+    half.load_state_dict(pretrained)
+    ref.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    for p in half.parameters():
+        assert torch.equal(opt.master_weight(p), p.detach().float())
+    _step(half, opt, ref, ref_opt, 0)
+    _assert_follows(half, opt, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_dict_and_master_state_dict_see_the_written_values(impl):
+    half, opt, ref, ref_opt = _pair(torch.bfloat16, impl)
+    _step(half, opt, ref, ref_opt, 0)
+    with torch.no_grad():
+        half.weight.fill_(0.75)
+    assert torch.equal(opt.state_dict()["state"][0]["master_weight"], torch.full((3, 4), 0.75))
+    assert torch.equal(opt.master_state_dict(half)["weight"], torch.full((3, 4), 0.75))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", HALF)
+def test_model_half_after_steps_gets_a_master(dtype, impl):
+    """fp32 model, steps, then model.to(half): the converted parameters get fp32 masters (from their
+    converted values) and keep their moments; 50 steps of lr 1e-4 move a weight of 1.0."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = halfadam.AdamW(model.parameters(), lr=1e-4, implementation=impl)
+    model.weight.grad, model.bias.grad = torch.ones(3, 4), torch.ones(3)
+    opt.step()
+    moments = {k: opt.state[model.weight][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    model.to(dtype)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    # the reference: torch on an fp32 copy holding the converted values, with the same moments
+    ref = torch.nn.Parameter(model.weight.detach().float())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0)
+    ref_opt.state[ref].update(step=torch.tensor(1.0), **{k: v.clone() for k, v in moments.items()})
+    for _ in range(50):
+        model.weight.grad, model.bias.grad = torch.ones(3, 4, dtype=dtype), torch.ones(3, dtype=dtype)
+        ref.grad = torch.ones(3, 4)
+        opt.step()
+        ref_opt.step()
+    st = opt.state[model.weight]
+    assert st["master_weight"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
+    assert _rel(st["master_weight"], ref.detach()) <= 1e-6
+    assert (model.weight.detach().float() < 1.0).all()  # naive half stays at exactly 1.0
+    assert st["step"].item() == 51
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_half_to_float_after_steps_drops_the_master(impl):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).half()
+    opt = halfadam.AdamW(model.parameters(), lr=1e-3, implementation=impl)
+    model.weight.grad, model.bias.grad = torch.ones(3, 4).half(), torch.ones(3).half()
+    opt.step()
+    model.float()
+    value = model.weight.detach().clone()
+    model.weight.grad, model.bias.grad = torch.ones(3, 4), torch.ones(3)
+    opt.step()
+    assert "master_weight" not in opt.state[model.weight]
+    # the step started from the converted value (the parameter is its own weight now)
+    assert (model.weight.detach() - (value - 1e-3)).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_device_change_moves_the_state(impl):
+    half, opt, ref, ref_opt = _pair(torch.float16, impl)
+    _step(half, opt, ref, ref_opt, 0)
+    half.cuda()
+    g = torch.Generator().manual_seed(1)
+    for p, q in zip(half.parameters(), ref.parameters()):
+        grad = torch.randn(p.shape, generator=g)
+        p.grad, q.grad = grad.half().cuda(), grad.half().float()
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(half.parameters(), ref.parameters()):
+        st = opt.state[p]
+        assert all(st[k].device.type == "cuda" for k in ("master_weight", "exp_avg", "exp_avg_sq"))
+        assert _rel(st["master_weight"].cpu(), q.detach()) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------- all or nothing
+def _snapshot(opt, params):
+    return ([p.detach().clone() for p in params], [g["global_step"] for g in opt.param_groups],
+            {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params if opt.state[p]})
+
+
+def _assert_unchanged(opt, params, snap):
+    values, steps, state = snap
+    assert all(torch.equal(p.detach(), v) for p, v in zip(params, values))
+    assert [g["global_step"] for g in opt.param_groups] == steps
+    for p in params:
+        for k, v in state.get(id(p), {}).items():
+            assert torch.equal(opt.state[p][k], v), k
+
+
+def _two_param_opt(impl):
+    params = [torch.nn.Parameter(torch.randn(5).half()), torch.nn.Parameter(torch.randn(3).half())]
+    opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
+    opt.step(grads={params[0]: torch.ones(5), params[1]: torch.ones(3)})
+    return params, opt
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradient_on_another_device_changes_nothing(impl):
+    params, opt = _two_param_opt(impl)
+    snap = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].* is on meta"):
+        opt.step(grads={params[0]: torch.ones(5), params[1]: torch.ones(3, device="meta")})
+    _assert_unchanged(opt, params, snap)
+    opt.step(grads={params[0]: torch.ones(5), params[1]: torch.ones(3)})  # a retry works normally
+    assert opt.param_groups[0]["global_step"] == 2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_foreign_gradient_keys_are_an_error(impl):
+    params, opt = _two_param_opt(impl)
+    snap = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"not a parameter of this optimizer .*shape \(5,\)"):
+        opt.step(grads={params[0].detach(): torch.ones(5)})
+    _assert_unchanged(opt, params, snap)
+
+
+def test_expanded_parameter_is_rejected_at_construction():
+    p = torch.zeros(1).expand(3).requires_grad_()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*share memory"):
+        halfadam.AdamW([p])
+
+
+# ----------------------------------------------------------------------------- no input is ignored
+@pytest.mark.parametrize("group, exc, match", [
+    ({"maximize": True}, ValueError, r"\['maximize'\]=True is not supported"),
+    ({"amsgrad": True}, ValueError, r"\['amsgrad'\]=True is not supported"),
+    ({"fused": True}, ValueError, r"\['fused'\]=True .*implementation="),
+    ({"master_weights": "no"}, TypeError, r"\['master_weights'\] must be None, True or False"),
+    ({"optimized_update": "no"}, TypeError, r"\['optimized_update'\] must be True or False"),
+    ({"decay": "L2"}, ValueError, r"\['decay'\] must be one of"),
+    ({"momentum": 0.9}, ValueError, r" has unknown key\(s\) \['momentum'\]"),
+])
+def test_bad_group_keys(group, exc, match):
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(exc, match=r"param_groups\[0\]" + match):
+        halfadam.AdamW([{"params": [p], **group}])
+    opt = halfadam.AdamW([p])
+    with pytest.raises(exc, match=r"param_groups\[1\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **group})
+    assert len(opt.param_groups) == 1
+
+
+def test_torch_flags_at_their_off_value_and_metadata_are_accepted():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([{"params": [p], "amsgrad": False, "maximize": False, "foreach": None, "name": "w",
+                           "master_weights": False}])
+    assert opt.param_groups[0]["name"] == "w" and opt.param_groups[0]["master_weights"] is False
+
+
+def test_eps_that_is_zero_in_float32_is_rejected():
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"eps=1e-46 is 0.0 in float32"):
+        halfadam.AdamW([p], eps=1e-46)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['eps'\]"):
+        halfadam.AdamW([{"params": [p], "eps": 1e-46}])
+    halfadam.AdamW([p], eps=1e-45)  # the smallest float32 subnormal is fine
+
+
+@pytest.mark.parametrize("params, match", [
+    (lambda p: [{"params": [p, p]}], r"param_groups\[0\]\['params'\]\[1\] is the same tensor"),
+    (lambda p: [p, p], r"param_groups\[0\]\['params'\]\[1\] is the same tensor"),
+    (lambda p: [{"params": []}], r"holds no parameter"),
+    (lambda p: [{"params": []}, {"params": []}], r"holds no parameter"),
+])
+def test_duplicate_or_no_parameters(params, match):
+    with pytest.raises(ValueError, match=match):
+        halfadam.AdamW(params(torch.nn.Parameter(torch.zeros(2))))
+
+
+@pytest.mark.parametrize("lr, exc, match", [
+    (itertools.repeat(1e-3), TypeError, r"lr as per-step values must be a finite sequence .*repeat"),
+    ((x for x in [1e-3, 2e-3]), TypeError, r"lr as per-step values must be a finite sequence .*generator"),
+    ({0: 1e-3, 1: 2e-3}, TypeError, r"lr must be .* got dict"),
+    (lambda a, b: 1e-3, TypeError, r"lr schedule could not be called with the global step"),
+    (torch.tensor(1e-3, device="meta"), ValueError, r"lr is a tensor on the meta device"),
+    (1e39, ValueError, r"lr must be finite \(in float32"),
+])
+def test_bad_learning_rates_name_the_argument(lr, exc, match):
+    with pytest.raises(exc, match=match):
+        halfadam.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def test_finite_sequences_are_per_step_values():
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert halfadam.AdamW([p], lr=range(0, 3)).param_groups[0]["lr"] == 0.0
+    assert halfadam.AdamW([p], lr=(0.5, 0.25)).param_groups[0]["lr_schedule"](1) == 0.25
+
+
+# ----------------------------------------------------------------------------------- drop-in for torch
+def test_named_parameters_like_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ours = halfadam.AdamW(model.named_parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    assert ours.param_groups[0]["param_names"] == theirs.param_groups[0]["param_names"] == ["weight", "bias"]
+    model.weight.grad, model.bias.grad = torch.ones(3, 4), torch.ones(3)
+    ours.step()
+    assert ours.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+    groups = [{"params": [("weight", model.weight)], "weight_decay": 0.1}, {"params": [("bias", model.bias)]}]
+    opt = halfadam.AdamW(groups)
+    assert [g["param_names"] for g in opt.param_groups] == [["weight"], ["bias"]]
+    with pytest.raises(ValueError, match="mixes"):
+        halfadam.AdamW([{"params": [("weight", model.weight), model.bias]}])
+
+
+def test_state_dict_post_hooks_are_kept():
+    p = torch.nn.Parameter(torch.zeros(2).half())
+    opt = halfadam.AdamW([p])
+    opt.step(grads={p: torch.ones(2)})
+    opt.register_state_dict_post_hook(lambda o, sd: sd.__setitem__("extra", 42))
+    assert opt.state_dict()["extra"] == 42
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "replaced": True})
+    sd = opt.state_dict()
+    assert sd["replaced"] is True and sd["extra"] == 42 and "master_weight" in sd["state"][0]
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_frozen_parameters_do_not_slow_or_cost_the_others(impl, monkeypatch):
+    """A LoRA-like model: frozen parameters (no gradient) stay out of the buckets and the rest runs on
+    the flat path, matching the reference."""
+    calls = []
+    real = executions.flat_step
+    monkeypatch.setattr(halfadam.optimizer, "flat_step",
+                        lambda b, items, *a, **k: (calls.append(len(items)), real(b, items, *a, **k)))
+    monkeypatch.setattr(halfadam.optimizer, "reference_step", lambda *a, **k: pytest.fail("reference path taken"))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8).half() for _ in range(3)]
+    for layer in layers[::2]:
+        layer.requires_grad_(False)
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
+    trained = list(layers[1].parameters())
+    for k in range(3):
+        for p in trained:
+            p.grad = torch.full_like(p, 0.1 * (k + 1))
+        opt.step()
+    assert calls == [2, 2, 2]
+    assert all(not opt.state[p] for layer in layers[::2] for p in layer.parameters())
+    layout = opt._group_layout(opt.param_groups[0])
+    assert sum(b.numel for b in layout.buckets) == sum(p.numel() for p in trained)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_outer_torch_compile_of_step(dtype):
+    """torch.compile(opt.step)() (PyTorch's compiled-optimizer recipe) under the default implementation."""
+    torch._dynamo.reset()
+    half, opt, ref, ref_opt = _pair(dtype, "auto")
+    compiled_step = torch.compile(opt.step)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(half.parameters(), ref.parameters()):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = grad.to(dtype), grad.to(dtype).float()
+        compiled_step()
+        ref_opt.step()
+    _assert_follows(half, opt, ref)
