@@ -418,12 +418,20 @@ class _AdamBase(torch.optim.Optimizer):
                 still-scaled gradients with the inverse loss scale (times a clipping coefficient),
                 so the fused kernel unscales as it reads them: no unscaled copy is written.
 
-        Every gradient and every scheduled hyperparameter is checked before any state changes.
+        Every gradient, key and scheduled hyperparameter is checked before any state changes: a call
+        that raises leaves parameters, state and ``global_step`` as they were. Each parameter that
+        has a master weight first applies the master-sync rule (:meth:`sync_master_weights`), so a
+        value written to it since the last step is where this step starts. Afterwards
+        ``group["lr"]`` and ``group["weight_decay"]`` hold the values of the coming step when they
+        are scheduled.
 
         Raises:
-            TypeError: a sparse or non-floating gradient.
-            ValueError: a gradient whose shape differs from its parameter's; a learning rate or weight
-                decay (fixed or from a schedule) that is negative, nan or inf.
+            TypeError: a sparse or non-floating gradient; ``grads`` not a mapping; ``grad_scale``
+                not a 1-element floating tensor.
+            ValueError: a gradient whose shape or device differs from its parameter's; a key of
+                ``grads`` that is not a parameter of this optimizer (``p.detach()``, ``p.data``); a
+                parameter whose elements share memory; a learning rate or weight decay (fixed or from
+                a schedule) that is negative, nan or inf.
         """
         loss = None
         if closure is not None:
@@ -701,11 +709,17 @@ class AdamW(_AdamBase):
         w &\leftarrow w - \frac{\text{lr}}{1-\beta_1^t}\,\frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
 
     Args:
-        params: an iterable of parameters (floating-point leaf tensors) or of dicts (parameter groups
-            with ``params`` and optionally ``lr``/``learning_rate``, ``betas``, ``eps``,
-            ``weight_decay``, ``master_weights``); one dict may instead hold ``order_params``, the
-            parameters in the order the optimizer stores and iterates them (exactly the groups'
-            parameters, each once); its other keys are ignored.
+        params: an iterable of parameters (floating-point leaf tensors), of ``(name, parameter)``
+            pairs (``model.named_parameters()``; the names are kept in ``group["param_names"]``, as
+            torch does) or of dicts (parameter groups with ``params`` and optionally
+            ``lr``/``learning_rate``, ``betas``, ``eps``, ``weight_decay``, ``decay``,
+            ``optimized_update``, ``master_weights``, torch's metadata keys ``param_names``,
+            ``initial_lr``, ``name``, and torch.optim.AdamW's flags at their off value
+            (``amsgrad=False``, ``maximize=False``, ``foreach=None``, ``fused=None``,
+            ``capturable=False``, ``differentiable=False``)); one dict may instead hold
+            ``order_params``, the parameters in the order the optimizer stores and iterates them
+            (exactly the groups' parameters, each once); its other keys are ignored. Each parameter
+            may appear once.
         lr: learning rate (default 1e-3): a float or int >= 0, a 0-d tensor, a 1-D tensor or
             iterable of numbers (global step ``t`` uses element ``t``; past the end the last value
             holds), or a schedule (a callable of the global step, such as
@@ -724,16 +738,26 @@ class AdamW(_AdamBase):
             one op per bucket (group, device, dtype). ``"fused"``: that function compiled by
             ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on CUDA; the
             first step compiles, later processes reuse Inductor's cache). ``"auto"`` (default):
-            fused, or foreach (with a one-time warning) where compiling fails. Buckets in which some
-            parameters have no gradient or differ in step count take the reference path that step.
+            fused, or foreach (with a one-time warning) where compiling fails. Parameters without a
+            gradient leave gaps in the flat step; buckets whose step counts differ take the reference
+            path that step.
+
+    Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
+    the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
+    device changed gets the state it would have had from the start (see ``_conform_state``).
 
     Raises:
-        TypeError: a wrong type for ``params`` or an element of it (not a floating tensor nor a
-            dict), ``lr`` (not a number, tensor, iterable or callable), ``betas`` or ``eps`` (not
-            floats), ``weight_decay`` (not a number or callable); both ``lr`` and ``learning_rate``.
-        ValueError: ``params`` empty; ``implementation`` not one of the four; lr or weight_decay negative; a beta outside (0.0, 1.0);
-            eps <= 0; nan or inf in any of them; a tensor lr of more than one dimension; bad
-            ``order_params``.
+        TypeError: a wrong type for ``params`` or an element of it (not a floating tensor, a
+            (name, tensor) pair nor a dict), ``lr`` (not a number, tensor, finite sequence or
+            callable; a one-shot iterator; a dict), ``betas`` or ``eps`` (not floats),
+            ``weight_decay`` (not a number or callable); both ``lr`` and ``learning_rate``; a group's
+            ``master_weights`` not None/bool or ``optimized_update`` not a bool.
+        ValueError: ``params`` empty or without any parameter; a parameter given twice; an
+            ``expand()``-ed parameter (elements sharing memory); ``implementation`` not one of the
+            four; lr or weight_decay negative; a beta outside (0.0, 1.0); eps <= 0; nan or inf in any
+            of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
+            the meta device; an unknown group key or a torch flag halfadam does not implement
+            (``maximize=True``, ``amsgrad=True``...); bad ``order_params``.
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
