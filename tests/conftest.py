@@ -4,19 +4,18 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+#: The real mindformers AdamW trajectories, kept in the repository (tests/golden).
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
 
 @pytest.fixture(scope="session")
 def golden():
-    """The real mindformers AdamW trajectories (../shared/golden beside the repository)."""
+    """The real mindformers AdamW trajectories (tests/golden); a missing file is an error, not a skip."""
     import json
 
     import numpy as np
 
     npz, meta = GOLDEN_DIR / "mindformers_adamw.npz", GOLDEN_DIR / "mindformers_adamw.json"
-    if not npz.exists():
-        pytest.skip(f"golden data not found at {GOLDEN_DIR}")
-    with np.load(npz) as data:
+    with np.load(npz) as data:  # FileNotFoundError when missing: the golden tests must not pass silently
         arrays = {k: data[k] for k in data.files}
     return arrays, json.loads(meta.read_text())
