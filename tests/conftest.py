@@ -1,22 +1,25 @@
 """Shared test helpers."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-GOLDEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+#: The real mindformers AdamW trajectories, kept in the repository.
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+
+
+def load_golden(directory: Path = GOLDEN_DIR):
+    """``(arrays, meta)`` from ``directory``; FileNotFoundError if a file is missing (never a silent skip)."""
+    import numpy as np
+
+    npz, meta = directory / "mindformers_adamw.npz", directory / "mindformers_adamw.json"
+    with np.load(npz) as data:
+        arrays = {k: data[k] for k in data.files}
+    return arrays, json.loads(meta.read_text())
 
 
 @pytest.fixture(scope="session")
 def golden():
-    """The real mindformers AdamW trajectories (../shared/golden beside the repository)."""
-    import json
-
-    import numpy as np
-
-    npz, meta = GOLDEN_DIR / "mindformers_adamw.npz", GOLDEN_DIR / "mindformers_adamw.json"
-    if not npz.exists():
-        pytest.skip(f"golden data not found at {GOLDEN_DIR}")
-    with np.load(npz) as data:
-        arrays = {k: data[k] for k in data.files}
-    return arrays, json.loads(meta.read_text())
+    """The real mindformers AdamW trajectories (tests/golden)."""
+    return load_golden()

@@ -626,3 +626,159 @@ def test_load_master_state_dict_leaves_fp32_parameters_without_state():
     model2, opt2 = make(torch.float32, seed=2)
     checkpoint.load_master_state_dict(model2, exported, opt2)
     assert not opt2.state and all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+
+
+# A file-size limit makes torch's writer fail mid-file (EFBIG): save_checkpoint must say OSError, not RuntimeError.
+_FSIZE_SAVE = """
+import json, resource, signal, sys, torch
+from halfadam import checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+path = sys.argv[1]
+checkpoint.save_checkpoint(path, step=1, data=torch.arange(10.0))
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+try:
+    checkpoint.save_checkpoint(path, step=2, data=torch.zeros(100_000))
+except BaseException as exc:
+    print(json.dumps({"type": type(exc).__name__, "oserror": isinstance(exc, OSError), "text": str(exc),
+                      "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None),
+                      "strerror": getattr(exc, "strerror", None)}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no file-size limits here")
+def test_write_failure_is_an_oserror_naming_the_path(tmp_path):
+    import errno
+    import json
+
+    path = tmp_path / "ckpt.pt"
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_SAVE, str(path)], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["oserror"] and result["errno"] == errno.EFBIG, result
+    assert result["filename"] == str(path) and result["strerror"] == os.strerror(errno.EFBIG), result
+    assert str(path) in result["text"] and "enforce fail" not in result["text"]
+    # the old file stays, the temporary file is gone
+    assert [f.name for f in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert checkpoint.load_checkpoint(path)["step"] == 1
+
+
+# -------------------------------------------------------------------- temporaries of killed writers
+needs_proc = pytest.mark.skipif(checkpoint._writer_scope() is None, reason="no /proc: dead writers cannot be proven")
+
+
+def _paused_save(path: Path) -> subprocess.Popen:
+    """A process in the middle of save_checkpoint(path) (its temporary file half written), paused."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "checkpoint_helper.py"), "killed-save", str(path), "write"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saved"
+    assert proc.stdout.readline().strip() == "in-save", proc.stderr.read()
+    return proc
+
+
+def _temporaries(directory: Path) -> dict:
+    """pid -> name of the temporary files in ``directory``."""
+    found = {}
+    for f in directory.iterdir():
+        match = checkpoint._TMP_NAME.match(f.name)
+        if match:
+            found[int(match[1])] = f.name
+    return found
+
+
+@needs_proc
+def test_killed_writers_temporaries_are_removed_live_writers_kept(tmp_path):
+    killed = _paused_save(tmp_path / "a.pt")
+    live = _paused_save(tmp_path / "b.pt")
+    try:
+        assert set(_temporaries(tmp_path)) == {killed.pid, live.pid}
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert set(_temporaries(tmp_path)) == {killed.pid, live.pid}  # nothing removes it by itself
+        assert checkpoint.load_checkpoint(tmp_path / "a.pt")["step"] == 1  # a load in the directory...
+        assert set(_temporaries(tmp_path)) == {live.pid}  # ...removes the dead writer's file only
+        checkpoint.save_checkpoint(tmp_path / "c.pt", step=5)  # a save neither touches the live writer's
+        assert set(_temporaries(tmp_path)) == {live.pid}
+        assert live.poll() is None
+        live.send_signal(signal.SIGKILL)
+        live.wait(timeout=30)
+        checkpoint.save_checkpoint(tmp_path / "c.pt", step=6)  # once it is killed, a save removes it
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["a.pt", "b.pt", "c.pt"]
+        assert checkpoint.load_checkpoint(tmp_path / "b.pt")["step"] == 1
+    finally:
+        for proc in (killed, live):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@needs_proc
+def test_only_provably_dead_writers_temporaries_are_removed(tmp_path):
+    scope, pid = checkpoint._writer_scope(), os.getpid()
+    start = checkpoint._process_start(pid)
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    gone = int(finished.stdout)  # a pid whose process has ended (unless reused since: then its start differs)
+    other_scope = "0" * 8 if scope != "0" * 8 else "1" * 8
+    names = {
+        f".c.pt.aaaaaaaa.{pid}-{start}-{scope}.tmp": True,  # this process, alive: kept
+        f".c.pt.bbbbbbbb.{pid}-{int(start) + 1}-{scope}.tmp": False,  # our pid, another start: a reused pid
+        f".c.pt.cccccccc.{gone}-{start}-{scope}.tmp": False,  # its writer has ended
+        f".c.pt.dddddddd.{gone}-{start}-{other_scope}.tmp": True,  # another machine, boot or pid namespace
+        ".c.pt.eeeeeeee.tmp": True,  # no writer recorded (an older halfadam): cannot be proven dead
+        "notes.txt": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    checkpoint.save_checkpoint(tmp_path / "c.pt", step=1)
+    left = {f.name for f in tmp_path.iterdir()}
+    assert left == {name for name, kept in names.items() if kept} | {"c.pt"}
+
+
+# -------------------------------------------------------------------- entries halfadam does not know
+def test_unknown_entries_are_checked_in_a_copy_before_anything_loads(tmp_path):
+    model, opt, scaler = _trio()
+    train(model, opt, 2)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    path = checkpoint.save_checkpoint(tmp_path / "c.pt", model=model, optimizer=opt, scaler=scaler, sched=step_lr,
+                                      counter={"n": 1})
+
+    model2, opt2, scaler2 = _trio(seed=5)
+    train(model2, opt2, 1)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(opt2, lambda step: 0.5)
+    sched_before = {k: v for k, v in lambda_lr.state_dict().items() if k != "lr_lambdas"}
+    check = _unchanged(model2, opt2, scaler2)
+    with pytest.raises(CheckpointError, match=r"'sched': the saved state does not load into a LambdaLR: KeyError"):
+        checkpoint.load_checkpoint(path, model=model2, optimizer=opt2, scaler=scaler2, sched=lambda_lr)
+    check()
+    assert {k: v for k, v in lambda_lr.state_dict().items() if k != "lr_lambdas"} == sched_before
+
+    class Counter:  # sets one attribute, then fails: only its copy may see that
+        n = 0
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+            self.m = state["m"]
+
+    counter = Counter()
+    with pytest.raises(CheckpointError, match=r"'counter': the saved state does not load into a Counter: KeyError"):
+        checkpoint.load_checkpoint(path, model=model2, optimizer=opt2, counter=counter)
+    check()
+    assert counter.n == 0 and not hasattr(counter, "m")
+
+    # The matching scheduler loads, and its optimizer was shared with the trial copy, not copied.
+    step_lr2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=7)
+    checkpoint.load_checkpoint(path, model=model2, optimizer=opt2, sched=step_lr2)
+    assert step_lr2.state_dict() == step_lr.state_dict() and step_lr2.optimizer is opt2
+
+
+def test_malformed_torch_optimizer_entry_is_a_checkpoint_error(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    path = checkpoint.save_checkpoint(tmp_path / "c.pt", model=model,
+                                      optimizer={"state": {}, "param_groups": [{"lr": 0.1}]})
+    model2 = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(CheckpointError, match="'optimizer': a malformed optimizer state_dict"):
+        checkpoint.load_checkpoint(path, model=model2, optimizer=opt)
+    assert all(torch.equal(p, q) for p, q in zip(before, model2.parameters()))

@@ -110,8 +110,14 @@ def test_digits_with_schedule_and_weight_decay(tmp_path, capsys):
     assert (tmp_path / "loss.png").is_file()
 
 
+def _env() -> dict:
+    """The environment of a ``python -m halfadam`` subprocess: this checkout's halfadam, not an installed one."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
 def test_python_m_halfadam_subprocess(text_file, tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = _env()
     proc = subprocess.run(
         [sys.executable, "-m", "halfadam", "train", "--text", str(text_file), "--out", str(tmp_path),
          "--modes", "fp32,fp16-halfadam", *TINY],
@@ -305,3 +311,91 @@ def test_nproc_failures_are_one_line(tmp_path, capfd, monkeypatch):
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("halfadam train: error: process 1 of --nproc 2 failed: RuntimeError: boom on rank 1 ("), err
+
+
+def test_resume_after_a_kill_in_an_earlier_mode_equals_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    args = RESUME_ARGS + ["--steps", "6"]
+    assert main(args + ["--out", str(tmp_path / "full")]) == 0
+    # Killed right after fp16-halfadam's step-3 checkpoint: the modes before it finished and saved, the one
+    # after it (bf16-halfadam) never started and has no checkpoint.
+    save = T._save_mode
+
+    def save_then_die(cfg, mode, *rest):
+        save(cfg, mode, *rest)
+        if mode.name == "fp16-halfadam" and len(rest[-1]["train_loss"]) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "_save_mode", save_then_die)
+    ck = tmp_path / "ck"
+    assert main(args + ["--out", str(tmp_path / "part"), "--save", str(ck), "--save-every", "3"]) == 130
+    monkeypatch.setattr(T, "_save_mode", save)
+    assert sorted(p.name for p in ck.iterdir()) == [f"{m}.pt" for m in sorted(ALL_MODES) if m != "bf16-halfadam"]
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "resumed"), "--resume", str(ck)]) == 0
+    assert "no checkpoint yet, so from scratch: bf16-halfadam" in capsys.readouterr().out
+    full, resumed = _metrics(tmp_path / "full")["modes"], _metrics(tmp_path / "resumed")["modes"]
+    assert list(resumed) == ALL_MODES
+    for name in full:
+        for key in ("train_loss", "val_steps", "val_loss", "weight_distance_to_fp32", "val_loss_vs_fp32_percent",
+                    "master_weight_distance_to_fp32", "final_loss_scale", "skipped_steps", "diverged_at_step"):
+            assert str(full[name].get(key)) == str(resumed[name].get(key)), (name, key)
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="no file-size limits here")
+def test_save_failure_is_one_line_exit_2(text_file, tmp_path):
+    import resource
+    import signal
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+
+    ck = tmp_path / "ck"
+    env = {**_env(), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "halfadam", "train", "--text", str(text_file), "--out", str(tmp_path / "out"),
+         "--modes", "bf16-halfadam", "--save", str(ck), *TINY],
+        capture_output=True, text=True, timeout=120, env=env, preexec_fn=limit_file_size,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"halfadam train: error: --save {ck}: cannot write the checkpoint "
+                                  f"{ck / 'bf16-halfadam.pt'}: File too large"), proc.stderr
+    assert list(ck.iterdir()) == []  # no temporary file left
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["bench", "--help"]])
+def test_help_is_plain_text(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and ":class:" not in out, out
+    if argv == ["--help"]:
+        assert "The halfadam command line: halfadam <command> [options]." in out
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
+    text = README.read_text()
+    snippet = text.split("## Quick start", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README Quick start", "exec"), {})
+    assert (tmp_path / "fp32.pt").is_file()
+
+
+def test_readme_digits_figures(tmp_path, capsys):
+    """The README's `halfadam train --task digits` table is what the command gives (up to CPU rounding)."""
+    pytest.importorskip("sklearn")
+    table = README.read_text().split("`halfadam train --task digits`", 1)[1].split("```", 2)[1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in ([m] for m in ALL_MODES)}
+    assert list(rows) == ALL_MODES
+    assert main(["train", "--task", "digits", "--out", str(tmp_path), "--no-progress"]) == 0
+    modes = _metrics(tmp_path)["modes"]
+    for name, row in rows.items():
+        m = modes[name]
+        if m["diverged_at_step"] is not None:
+            assert row[2] == f"nan@{m['diverged_at_step']}", name
+            continue
+        assert abs(float(row[2]) - m["final_val_loss"]) <= 2e-4, name
+        assert abs(float(row[3].rstrip("%")) - m["val_loss_vs_fp32_percent"]) <= 0.03, name

@@ -39,11 +39,13 @@ loading any of them.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib
 import math
 import numbers
 import os
+import re
 import tempfile
 import warnings
 from collections import OrderedDict
@@ -775,17 +777,107 @@ def _state_of(obj: Any) -> Any:
     return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
 
 
+#: save_checkpoint's temporary files: ``.<name>.<random>.<pid>-<start>-<scope>.tmp`` (see _writer_tag).
+_TMP_NAME = re.compile(r"^\..+\.([1-9][0-9]{0,9})-([0-9]+)-([0-9a-f]{8})\.tmp$")
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (clock ticks after boot, from /proc), or ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _writer_scope() -> Optional[str]:
+    """This boot and pid namespace, hashed: where a pid and start time name one process. ``None`` without /proc."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return hashlib.sha256(f"{boot} {namespace}".encode()).hexdigest()[:8]
+
+
+def _writer_tag() -> str:
+    """The end of this process's temporary file names: pid, start time and scope (empty without /proc)."""
+    pid, scope = os.getpid(), _writer_scope()
+    start = _process_start(pid)
+    return f".{pid}-{start}-{scope}" if scope and start else ""
+
+
+def _writer_gone(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` has provably ended (a reused pid has another start)."""
+    now = _process_start(pid)
+    if now is not None:
+        return now != start
+    try:
+        os.kill(pid, 0)  # /proc/<pid> unreadable: the pid is free (the writer is gone) or hidden (unknown)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):
+        pass
+    return False
+
+
+def _remove_dead_temporaries(directory: Path) -> None:
+    """Remove the temporary files in ``directory`` of save_checkpoint calls whose process has ended (killed).
+
+    Only files this machine's processes wrote (same boot and pid namespace) whose writer is provably gone
+    are removed; a live writer's file, or any other file, is never touched. Errors are ignored.
+    """
+    scope = _writer_scope()
+    if scope is None:
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = _TMP_NAME.match(name)
+        if match and match[3] == scope and _writer_gone(int(match[1]), match[2]):
+            try:
+                os.unlink(directory / name)
+            except OSError:
+                pass
+
+
+class _RecordingWriter:
+    """The file as ``torch.save`` sees it: keeps the OSError that torch's writer turns into a RuntimeError."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_checkpoint(path: PathLike, **objects: Any) -> Path:
     """Write ``objects`` to ``path`` atomically: a crash or kill mid-save leaves the previous file intact.
 
     Each keyword names one entry: an object with ``state_dict()`` (a model, an optimizer, a scaler, an
     lr scheduler) is stored as its state_dict, anything else as is (a step count, an RNG state tensor,
     lists of losses). The file is written with ``torch.save`` to a temporary file in the same
-    directory, flushed and fsync'ed, then renamed over ``path`` (``os.replace``) and the directory
-    fsync'ed. It holds ``{"format": "halfadam.checkpoint", "version": 1, "sha256": ..., "objects":
-    {name: state}}``; the checksum covers every value, so :func:`load_checkpoint` detects a corrupt
-    file (``torch.load`` does not verify its data). With halfadam objects and plain values, the file
-    loads with ``torch.load(path, weights_only=True)``.
+    directory (``.<name>.<random>.<pid>-<start time>-<scope>.tmp``), flushed and fsync'ed, then renamed
+    over ``path`` (``os.replace``) and the directory fsync'ed. It holds ``{"format":
+    "halfadam.checkpoint", "version": 1, "sha256": ..., "objects": {name: state}}``; the checksum
+    covers every value, so :func:`load_checkpoint` detects a corrupt file (``torch.load`` does not
+    verify its data). With halfadam objects and plain values, the file loads with ``torch.load(path,
+    weights_only=True)``.
+
+    A process killed mid-save leaves its temporary file behind; the next :func:`save_checkpoint` or
+    :func:`load_checkpoint` in that directory removes every temporary file whose writing process has
+    provably ended (on Linux: its pid is free or names a process started at another time); the
+    temporary files of live writers stay.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`. Creates missing parent directories.
@@ -795,7 +887,9 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
         ValueError: a tensor on the meta device (it has no data to save).
         pickle.PicklingError, AttributeError...: an object that ``torch.save`` cannot pickle (the old
             file stays; the temporary file is removed).
-        OSError: the file cannot be written (the old file stays; the temporary file is removed).
+        OSError: the file cannot be written (disk full, file size limit, permissions...): its
+            ``filename`` is ``path`` and its ``strerror`` the cause. The old file stays; the temporary
+            file is removed.
     """
     if not objects:
         raise TypeError("save_checkpoint needs at least one object to save")
@@ -803,21 +897,32 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     states = {name: _state_of(obj) for name, obj in objects.items()}
     payload = {"format": _FORMAT, "version": _FORMAT_VERSION, "sha256": _digest(states), "objects": states}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _remove_dead_temporaries(path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f"{_writer_tag()}.tmp", dir=path.parent)
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            writer = _RecordingWriter(f)
+            try:
+                torch.save(payload, writer)
+            except RuntimeError:  # torch's writer reports a failed write as "[enforce fail at ...]"
+                if writer.error is None:
+                    raise
+                raise writer.error from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -888,10 +993,30 @@ def _check_torch_optimizer_state(name: str, optimizer: torch.optim.Optimizer, st
                 raise CheckpointError(f"'{name}': {where}: {key} has shape {tuple(value.shape)} in the checkpoint")
 
 
+def _load_into_copy(name: str, obj: Any, state: Any) -> None:
+    """Prove that ``obj.load_state_dict(state)`` succeeds by loading a deep copy of ``obj`` (``obj`` is unchanged).
+
+    For an object halfadam does not know (an lr scheduler, a scaler, anything with ``load_state_dict``).
+    An lr scheduler's copy shares its optimizer (its ``load_state_dict`` sets only its own attributes).
+    Raises CheckpointError naming the entry when the state does not load, TypeError when ``obj`` cannot
+    be deep-copied.
+    """
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    memo = {id(obj.optimizer): obj.optimizer} if isinstance(obj, schedulers) else {}
+    try:
+        trial = copy.deepcopy(obj, memo)
+    except Exception as exc:
+        raise TypeError(f"'{name}': a {type(obj).__name__} cannot be deep-copied, so its saved state cannot be "
+                        f"checked before loading ({_first_line(exc)})") from None
+    try:
+        trial.load_state_dict(copy.deepcopy(state))
+    except Exception as exc:
+        raise CheckpointError(f"'{name}': the saved state does not load into a {type(obj).__name__}: "
+                              f"{_first_line(exc)}") from None
+
+
 def _check_entry(name: str, obj: Any, state: Any) -> Any:
     """Validate ``state`` for ``obj``; returns how to commit it."""
-    from .scaler import GradScaler
-
     if isinstance(obj, torch.nn.Module):
         _check_module_state(name, obj, state)
         return lambda: obj.load_state_dict(state)
@@ -913,15 +1038,13 @@ def _check_entry(name: str, obj: Any, state: Any) -> Any:
                 hook(obj)
         return commit
     if isinstance(obj, torch.optim.Optimizer):
-        _check_torch_optimizer_state(name, obj, state)
-        return lambda: obj.load_state_dict(state)
-    if isinstance(obj, (GradScaler, torch.amp.GradScaler)):
         try:
-            copy.deepcopy(obj).load_state_dict(state)
-        except Exception as exc:
-            raise CheckpointError(f"'{name}': {_first_line(exc)}") from None
+            _check_torch_optimizer_state(name, obj, state)
+        except (KeyError, TypeError, AttributeError) as exc:  # not laid out as a state_dict
+            raise CheckpointError(f"'{name}': a malformed optimizer state_dict ({_first_line(exc)})") from None
         return lambda: obj.load_state_dict(state)
     if callable(getattr(obj, "load_state_dict", None)):
+        _load_into_copy(name, obj, state)
         return lambda: obj.load_state_dict(state)
     raise TypeError(f"'{name}': {type(obj).__name__} has no load_state_dict(); read plain entries from the "
                     f"returned dict instead")
@@ -939,8 +1062,8 @@ def load_checkpoint(
     ``load_checkpoint(path, model=model, optimizer=opt, scaler=scaler)`` checks the file (readable,
     the halfadam checkpoint format, checksum), that every named entry exists, and every object's state
     (models: keys, shapes, dtypes; halfadam optimizers: everything :func:`load_optimizer_state_dict`
-    checks; other optimizers: group and parameter counts and shapes; scalers: keys and ranges) before
-    loading any of them; then loads models first (so that master weights rebuilt from parameters see the
+    checks; other optimizers: group and parameter counts and shapes; any other object, such as a
+    scaler or an lr scheduler: its state loads into a deep copy of it) before loading any of them; then loads models first (so that master weights rebuilt from parameters see the
     loaded values), then optimizers, then the rest. Tensors are read onto ``map_location`` (CPU by
     default) and copied to each parameter's device on load.
 
@@ -958,9 +1081,14 @@ def load_checkpoint(
         CheckpointError: no such file; a truncated, corrupt or foreign file; a missing entry; a state
             that does not match its object (the message names the entry and what differs). Nothing
             has been loaded.
-        TypeError: an object without ``load_state_dict``.
+        TypeError: an object without ``load_state_dict``, or one (other than a model or an optimizer)
+            that cannot be deep-copied to check its state. Nothing has been loaded.
+
+    Also removes the temporary files of killed :func:`save_checkpoint` calls in the file's directory
+    (see there).
     """
     path = Path(path)
+    _remove_dead_temporaries(path.parent)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from .errors import CLIError
@@ -21,8 +22,31 @@ COMMANDS = {
 }
 
 
+def _plain_text(text: str) -> str:
+    """``text`` without docstring markup: ````code```` and ``:role:`target``` become ``code`` and ``target``."""
+    return _MARKUP.sub(lambda m: m[1] or m[2], text)
+
+
+_MARKUP = re.compile(r"``(.+?)``|:[\w:]+:`~?([^`]+)`")
+
+
+class _PlainFormatter(argparse.HelpFormatter):
+    """argparse's formatter, printing descriptions and help taken from docstrings as plain text."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(_plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return _plain_text(super()._expand_help(action))
+
+
 class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr (no usage dump), exit status 2."""
+    """An ``ArgumentParser`` whose errors are one line on stderr (no usage dump), exit status 2, and whose
+    help is plain text (no docstring markup)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _PlainFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D102 - argparse API
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -159,7 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=_positive_int, metavar="N",
                         help="with --save, also checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", metavar="DIR",
-                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options")
+                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options; a "
+                             "mode without a checkpoint yet (the run stopped before it) starts from scratch")
     parser.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                         help="train data-parallel in N processes on this machine (DDP over gloo, CPU only; "
                              "default 1). Each process takes 1/N of every batch, so --batch-size must be "
@@ -354,17 +355,39 @@ def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: 
         objects["scaler"] = scaler
     if torch.device(cfg.device).type == "cuda":
         objects["cuda_rng"] = torch.cuda.get_rng_state(torch.device(cfg.device))
+    path = Path(cfg.save) / f"{mode.name}.pt"
     try:
-        save_checkpoint(Path(cfg.save) / f"{mode.name}.pt", **objects)
+        save_checkpoint(path, **objects)
     except OSError as exc:
-        raise CLIError(f"--save {cfg.save}: cannot write the checkpoint: {exc.strerror or exc}") from None
+        raise CLIError(f"--save {cfg.save}: cannot write the checkpoint {path}: {exc.strerror or exc}") from None
 
 
-def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict:
-    """Load DIR/<mode>.pt into model, optimizer and scaler (all or nothing); returns the saved history."""
+def _resume_path(cfg: TrainConfig, name: str) -> Path:
+    return Path(cfg.resume) / f"{name}.pt"
+
+
+def _check_resume(cfg: TrainConfig) -> list[str]:
+    """The modes of ``cfg`` that --resume starts from scratch (no checkpoint yet: the run stopped before them).
+
+    Raises CLIError when no mode has a checkpoint (the wrong directory?).
+    """
+    fresh = [name for name in cfg.modes if not _resume_path(cfg, name).is_file()]
+    if fresh == cfg.modes:
+        raise CLIError(f"--resume: no checkpoint at {_resume_path(cfg, '<mode>')} for any of --modes "
+                       f"{','.join(cfg.modes)}")
+    return fresh
+
+
+def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict | None:
+    """Load DIR/<mode>.pt into model, optimizer and scaler (all or nothing); returns the saved history.
+
+    ``None`` (nothing loaded) when the mode has no checkpoint yet: it starts from scratch.
+    """
     from halfadam.checkpoint import CheckpointError, load_checkpoint
 
-    path = Path(cfg.resume) / f"{mode.name}.pt"
+    path = _resume_path(cfg, mode.name)
+    if not path.is_file():
+        return None
     objects = dict(model=model, optimizer=optimizer)
     if scaler is not None:
         objects["scaler"] = scaler
@@ -438,8 +461,8 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
                 "diverged_at": diverged_at}
 
     first_step = 0
-    if cfg.resume:
-        saved = _resume_mode(cfg, mode, model, optimizer, scaler)
+    saved = _resume_mode(cfg, mode, model, optimizer, scaler) if cfg.resume else None
+    if saved is not None:
         train_losses, val_steps, val_losses = saved["train_loss"], saved["val_steps"], saved["val_loss"]
         skipped, diverged_at = saved["skipped"], saved["diverged_at"]
         first_step = cfg.steps if diverged_at is not None else len(train_losses)  # a diverged run stays so
@@ -675,6 +698,7 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
     from . import report
 
     lead = rank == 0
+    fresh = _check_resume(cfg) if cfg.resume else []
     if lead:
         _make_out(out)
 
@@ -694,6 +718,8 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
                   f"per step")
         print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
               f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+        if fresh:
+            print(f"  resume: from {cfg.resume}; no checkpoint yet, so from scratch: {', '.join(fresh)}", flush=True)
 
     results: dict[str, dict] = {}
     weights: dict[str, tuple] = {}
