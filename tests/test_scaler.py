@@ -205,3 +205,109 @@ def test_warns_when_grad_is_clipped_after_unscale_with_torch_utility():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         scaler.step(opt)
+
+
+# ---------------------------------------------------------------------------------- overflow check
+def _skips(make_opt, scaler, model, x, y, steps):
+    """(skipped steps, steps with a non-finite gradient, scales) of ``steps`` fused steps."""
+    opt = make_opt(model.parameters())
+    skipped, nonfinite, scales = 0, 0, []
+    for _ in range(steps):
+        opt.zero_grad()
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        nonfinite += any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        scales.append(scaler.get_scale())
+    return skipped, nonfinite, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_overflow_check_skips_only_nonfinite_gradients_like_torch(dtype):
+    """Linear(5, 1) with targets of 1e-4 and growth every step: the scale climbs to ~2**127, where the
+    float32 sum of squares of the finite scaled gradients overflowed (76 skipped steps before the fix).
+    torch.amp.GradScaler skips none; neither may the fused hand-over."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1).to(dtype)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(8, 5).to(dtype), torch.full((8, 1), 1e-4).to(dtype)
+    ours = _skips(lambda ps: halfadam.AdamW(ps, lr=1e-3), halfadam.GradScaler(growth_interval=1), model, x, y, 200)
+    theirs = _skips(lambda ps: torch.optim.AdamW(ps, lr=1e-3), torch.amp.GradScaler("cpu", growth_interval=1),
+                    twin, x, y, 200)
+    assert theirs[:2] == (0, 0)  # the reference: no step skipped, no gradient non-finite
+    assert ours[:2] == (0, 0)
+    assert ours[2] == theirs[2]  # the same scales, up to torch's cap of 2**127
+    assert ours[2][-1] == 2.0**127
+
+
+@pytest.mark.parametrize("dtype, scale, big", [
+    (torch.float16, 2.0**12, 1.0),        # 4 * 2**12 * 1.0 fits float16
+    (torch.bfloat16, 2.0**100, 1.0),      # scaled squares ~1e61: overflow a float32 sum
+    (torch.float32, 2.0**100, 1.0),
+    (torch.float64, 2.0**100, 1.0),
+    (torch.float64, 1.0, 1e200),          # squares overflow even float64: the max-norm decides
+])
+def test_fused_check_is_exactly_nonfinite_and_clip_norm_does_not_overflow(dtype, scale, big):
+    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    opt = halfadam.AdamW([p], lr=1.0)
+    scaler = halfadam.GradScaler(init_scale=scale, max_grad_norm=1.0)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([3.0 * big * scale, 4.0 * big * scale], dtype=torch.float64).to(dtype)
+    assert torch.isfinite(p.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert opt.state[p]["step"].item() == 1 and scaler.get_scale() == scale  # not skipped
+    if big == 1.0:  # hand-derived: unscaled norm 5, clipped to 1, exp_avg = 0.1 * [0.6, 0.8]
+        assert scaler.last_grad_norm.item() == pytest.approx(5.0, rel=1e-6)
+        assert opt.state[p]["exp_avg"].double() == pytest.approx(torch.tensor([0.06, 0.08]).double(), rel=1e-3)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.tensor([3.0 * big * scale, bad], dtype=torch.float64).to(dtype)
+        before = scaler.get_scale()
+        assert scaler.step(opt) is None
+        scaler.update()
+        assert opt.state[p]["step"].item() == 1 and scaler.get_scale() == before * 0.5  # skipped
+
+
+def test_clip_grad_norm_of_large_finite_gradients_does_not_overflow():
+    """Unscaled float32 gradients [3e19, 4e19]: the norm 5e19 is a float32, the float32 sum of squares
+    (2.5e39) is not; before, the norm was inf and the gradients were multiplied by 0."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([p], lr=1.0)
+    scaler = halfadam.GradScaler(init_scale=1.0)
+    scaler.scale((p * torch.tensor([3e19, 4e19])).sum()).backward()
+    norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(5e19, rel=1e-6)
+    scaler.step(opt)
+    assert opt.state[p]["exp_avg"] == pytest.approx(torch.tensor([0.06, 0.08]), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [3.0, 0.5])
+def test_unscale_fallback_matches_torch_fused_op(monkeypatch, dtype, scale):
+    """Without torch's ``_amp_foreach_non_finite_check_and_unscale_`` the plain-op path gives the same
+    values (unscaled in float32, rounded once) and the same flag (read before unscaling)."""
+    from halfadam.scaler import _unscale_and_check_
+
+    torch.manual_seed(0)
+    big = torch.finfo(dtype).max / 1.5  # finite, but not once divided by 0.5
+    cases = [[torch.randn(100).mul(100).to(dtype), torch.tensor(2.5, dtype=dtype)],
+             [torch.tensor([1.0, big], dtype=torch.float64).to(dtype)],
+             [torch.randn(3).to(dtype), torch.tensor([1.0, float("nan")]).to(dtype)]]
+    inv = torch.full((1,), 1.0 / scale)
+    op = torch._amp_foreach_non_finite_check_and_unscale_
+    expected = []
+    for ts in cases:
+        ref, flag = [t.clone() for t in ts], torch.zeros(1)
+        op(ref, flag, inv)
+        expected.append((ref, flag))
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    for ts, (ref, flag) in zip(cases, expected):
+        got, found = [t.clone() for t in ts], torch.zeros(1)
+        _unscale_and_check_(got, inv, found)
+        assert torch.equal(found, flag)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # bitwise, nan where nan
+    assert [f.item() for _, f in expected] == [0.0, 0.0, 1.0]
