@@ -228,9 +228,11 @@ class GradScaler:
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` (a tensor, or a list/tuple of them, nested) by the loss scale.
 
-        Each product keeps its output's shape and dtype (a float16 loss gives a float16 product), as
-        with torch.amp.GradScaler: the scale is a 0-d float32 factor. Returns ``outputs`` unchanged
-        when disabled.
+        Each product is ``output * scale`` with the scale as a 0-d float32 tensor, exactly as
+        torch.amp.GradScaler computes it: the product has the output's shape and dtype (a float16
+        loss of shape (3,) gives a float16 product of shape (3,)), except that a 0-d float16/bfloat16
+        output gives a 0-d float32 product (torch's promotion of two 0-d tensors; so does torch's
+        scaler). Returns ``outputs`` unchanged when disabled.
 
         Raises:
             TypeError: ``outputs`` is neither a tensor nor a list/tuple of them.
