@@ -205,3 +205,276 @@ def test_warns_when_grad_is_clipped_after_unscale_with_torch_utility():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         scaler.step(opt)
+
+
+# ---------------------------------------------------------------------------------- overflow check
+def _skips(make_opt, scaler, model, x, y, steps):
+    """(skipped steps, steps with a non-finite gradient, scales) of ``steps`` fused steps."""
+    opt = make_opt(model.parameters())
+    skipped, nonfinite, scales = 0, 0, []
+    for _ in range(steps):
+        opt.zero_grad()
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        nonfinite += any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        scales.append(scaler.get_scale())
+    return skipped, nonfinite, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_overflow_check_skips_only_nonfinite_gradients_like_torch(dtype):
+    """Linear(5, 1) with targets of 1e-4 and growth every step: the scale climbs to ~2**127, where the
+    float32 sum of squares of the finite scaled gradients overflowed (76 skipped steps before the fix).
+    torch.amp.GradScaler skips none; neither may the fused hand-over."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1).to(dtype)
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(8, 5).to(dtype), torch.full((8, 1), 1e-4).to(dtype)
+    ours = _skips(lambda ps: halfadam.AdamW(ps, lr=1e-3), halfadam.GradScaler(growth_interval=1), model, x, y, 200)
+    theirs = _skips(lambda ps: torch.optim.AdamW(ps, lr=1e-3), torch.amp.GradScaler("cpu", growth_interval=1),
+                    twin, x, y, 200)
+    assert theirs[:2] == (0, 0)  # the reference: no step skipped, no gradient non-finite
+    assert ours[:2] == (0, 0)
+    assert ours[2] == theirs[2]  # the same scales, up to torch's cap of 2**127
+    assert ours[2][-1] == 2.0**127
+
+
+@pytest.mark.parametrize("dtype, scale, big", [
+    (torch.float16, 2.0**12, 1.0),        # 4 * 2**12 * 1.0 fits float16
+    (torch.bfloat16, 2.0**100, 1.0),      # scaled squares ~1e61: overflow a float32 sum
+    (torch.float32, 2.0**100, 1.0),
+    (torch.float64, 2.0**100, 1.0),
+    (torch.float64, 1.0, 1e200),          # squares overflow even float64: the max-norm decides
+])
+def test_fused_check_is_exactly_nonfinite_and_clip_norm_does_not_overflow(dtype, scale, big):
+    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    opt = halfadam.AdamW([p], lr=1.0)
+    scaler = halfadam.GradScaler(init_scale=scale, max_grad_norm=1.0)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.tensor([3.0 * big * scale, 4.0 * big * scale], dtype=torch.float64).to(dtype)
+    assert torch.isfinite(p.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert opt.state[p]["step"].item() == 1 and scaler.get_scale() == scale  # not skipped
+    if big == 1.0:  # hand-derived: unscaled norm 5, clipped to 1, exp_avg = 0.1 * [0.6, 0.8]
+        assert scaler.last_grad_norm.item() == pytest.approx(5.0, rel=1e-6)
+        assert opt.state[p]["exp_avg"].double() == pytest.approx(torch.tensor([0.06, 0.08]).double(), rel=1e-3)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.tensor([3.0 * big * scale, bad], dtype=torch.float64).to(dtype)
+        before = scaler.get_scale()
+        assert scaler.step(opt) is None
+        scaler.update()
+        assert opt.state[p]["step"].item() == 1 and scaler.get_scale() == before * 0.5  # skipped
+
+
+def test_clip_grad_norm_of_large_finite_gradients_does_not_overflow():
+    """Unscaled float32 gradients [3e19, 4e19]: the norm 5e19 is a float32, the float32 sum of squares
+    (2.5e39) is not; before, the norm was inf and the gradients were multiplied by 0."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([p], lr=1.0)
+    scaler = halfadam.GradScaler(init_scale=1.0)
+    scaler.scale((p * torch.tensor([3e19, 4e19])).sum()).backward()
+    norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(5e19, rel=1e-6)
+    scaler.step(opt)
+    assert opt.state[p]["exp_avg"] == pytest.approx(torch.tensor([0.06, 0.08]), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [3.0, 0.5])
+def test_unscale_fallback_matches_torch_fused_op(monkeypatch, dtype, scale):
+    """Without torch's ``_amp_foreach_non_finite_check_and_unscale_`` the plain-op path gives the same
+    values (unscaled in float32, rounded once) and the same flag (read before unscaling)."""
+    from halfadam.scaler import _unscale_and_check_
+
+    torch.manual_seed(0)
+    big = torch.finfo(dtype).max / 1.5  # finite, but not once divided by 0.5
+    cases = [[torch.randn(100).mul(100).to(dtype), torch.tensor(2.5, dtype=dtype)],
+             [torch.tensor([1.0, big], dtype=torch.float64).to(dtype)],
+             [torch.randn(3).to(dtype), torch.tensor([1.0, float("nan")]).to(dtype)]]
+    inv = torch.full((1,), 1.0 / scale)
+    op = torch._amp_foreach_non_finite_check_and_unscale_
+    expected = []
+    for ts in cases:
+        ref, flag = [t.clone() for t in ts], torch.zeros(1)
+        op(ref, flag, inv)
+        expected.append((ref, flag))
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    for ts, (ref, flag) in zip(cases, expected):
+        got, found = [t.clone() for t in ts], torch.zeros(1)
+        _unscale_and_check_(got, inv, found)
+        assert torch.equal(found, flag)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # bitwise, nan where nan
+    assert [f.item() for _, f in expected] == [0.0, 0.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------- scale floor
+def _overflow_steps(scaler, opt, p, n):
+    """``n`` steps with an inf gradient; returns the scales and the step indices (1-based) that warned."""
+    scales, warned = [], []
+    for k in range(1, n + 1):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full_like(p, float("inf"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+            scaler.update()
+        warned += [(k, str(w.message)) for w in caught if str(w.message).startswith("GradScaler")]
+        scales.append(scaler.get_scale())
+    return scales, warned
+
+
+def test_scale_stops_at_its_floor_warns_once_and_training_resumes():
+    p = torch.nn.Parameter(torch.zeros(2))  # float32: a gradient of 1 scaled by 2**-126 is representable
+    opt = halfadam.AdamW([p], lr=1e-3)
+    scaler = halfadam.GradScaler(growth_interval=2)
+    scales, warned = _overflow_steps(scaler, opt, p, 200)
+    # Hand-derived: 2**16 * 0.5**k, down to the floor 2**-126 (the smallest normal float32) after
+    # k = 142, and there it stays; before, it reached 0.0 after 166 and stayed (every step skipped).
+    assert scales == [max(2.0 ** (16 - k), 2.0**-126) for k in range(1, 201)]
+    assert [k for k, _ in warned] == [32]  # once in the run, at 32 consecutive overflows
+    assert "32 consecutive" in warned[0][1]
+
+    scaler.scale(torch.ones(()))
+    p.grad = torch.full_like(p, 2.0**-126)  # finite again (a gradient of 1, scaled): the step is taken
+    scaler.step(opt)
+    scaler.update()
+    assert opt.state[p]["step"].item() == 1
+    assert p.detach() == pytest.approx(torch.full((2,), -1e-3), rel=1e-5)  # Adam's first step: -lr * sign(g)
+    scaler.scale(torch.ones(()))  # and after growth_interval clean steps the scale grows
+    p.grad = torch.full_like(p, 2.0**-126)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**-125
+
+    _, warned = _overflow_steps(scaler, opt, p, 40)  # a new run warns again, once: at the floor at once
+    assert [k for k, _ in warned] == [1] and "floor" in warned[0][1]
+
+
+def test_scale_floor_warns_when_reached_first():
+    p = torch.nn.Parameter(torch.zeros(2).half())
+    opt = halfadam.AdamW([p])
+    scaler = halfadam.GradScaler(backoff_factor=1e-10)  # 2**16 * 1e-50 < 2**-126 ~ 1.2e-38 < 2**16 * 1e-40
+    scales, warned = _overflow_steps(scaler, opt, p, 40)
+    assert scales[3] == pytest.approx(2.0**16 * 1e-40, rel=1e-6) and scales[4:] == [2.0**-126] * 36
+    assert [k for k, _ in warned] == [5] and "floor" in warned[0][1]
+
+
+def test_scale_matches_torch_until_the_floor():
+    p = torch.nn.Parameter(torch.zeros(2).half())
+    ours, opt = halfadam.GradScaler(), halfadam.AdamW([p])
+    theirs, ref_opt = torch.amp.GradScaler("cpu"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    ref_p = ref_opt.param_groups[0]["params"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(142):
+            theirs.scale(torch.ones(()))
+            ref_p.grad = torch.full_like(ref_p, float("inf"))
+            theirs.step(ref_opt)
+            theirs.update()
+        scales, _ = _overflow_steps(ours, opt, p, 142)
+    assert theirs.get_scale() == scales[-1] == 2.0**-126
+
+
+# ---------------------------------------------------------------------------------- scale()
+@pytest.mark.parametrize("loss", [
+    torch.tensor([1.0, -2.5, 3e-3]).half(), torch.tensor(0.75), torch.tensor(0.75).half(),
+    torch.randn(2, 2).bfloat16(), torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([4.0, 1e-4]).half(),
+])
+@pytest.mark.parametrize("init_scale", [2.0**10, 3.0, 2.0**20])  # 2**20: a float16 loss of 1 overflows
+def test_scale_keeps_dtype_and_shape_like_torch(loss, init_scale):
+    ours = halfadam.GradScaler(init_scale=init_scale).scale(loss)
+    theirs = torch.amp.GradScaler("cpu", init_scale=init_scale).scale(loss)
+    assert ours.shape == theirs.shape == loss.shape and ours.dtype == theirs.dtype
+    # the loss's dtype, except a 0-d half loss: two 0-d tensors promote to float32 (so does torch)
+    assert ours.dtype == (torch.float32 if loss.dim() == 0 and loss.dtype == torch.float16 else loss.dtype)
+    assert torch.equal(ours, theirs)
+    pair = halfadam.GradScaler(init_scale=init_scale).scale([loss, (loss,)])
+    assert torch.equal(pair[0], theirs) and torch.equal(pair[1][0], theirs) and pair[1][0].shape == loss.shape
+
+
+# ---------------------------------------------------------------------------------- argument types
+@pytest.mark.parametrize("name", ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "max_grad_norm"])
+@pytest.mark.parametrize("value", [True, False, "2", None, torch.tensor(2.0)])
+def test_numeric_arguments_reject_bools_and_non_numbers(name, value):
+    if value is None and name == "max_grad_norm":
+        return  # None: no clipping
+    with pytest.raises(TypeError, match=name):
+        halfadam.GradScaler(**{name: value})
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(growth_interval=2.0), TypeError, "growth_interval"), (dict(growth_interval=2.5), TypeError, "growth_interval"),
+    (dict(init_scale=1e-40), ValueError, "init_scale"),  # 0.0 as a float32 after backoff / subnormal
+    (dict(init_scale=1e39), ValueError, "init_scale"),  # inf as a float32
+    (dict(init_scale=float("nan")), ValueError, "init_scale"), (dict(growth_factor=float("inf")), ValueError, "growth_factor"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"), (dict(max_grad_norm=float("nan")), ValueError, "max_grad_norm"),
+])
+def test_arguments_out_of_type_or_range(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        halfadam.GradScaler(**kwargs)
+
+
+def test_accepted_numbers():
+    import numpy as np
+    scaler = halfadam.GradScaler(init_scale=np.float32(8.0), growth_factor=3, backoff_factor=np.float64(0.25),
+                                 growth_interval=np.int64(7), max_grad_norm=1)
+    assert scaler.state_dict() == {"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 7,
+                                   "_growth_tracker": 0}
+    assert type(scaler.get_growth_interval()) is int
+    assert halfadam.GradScaler(init_scale=2.0**-126).get_scale() == 2.0**-126
+
+
+def test_update_new_scale_and_clip_arguments_are_checked():
+    p = torch.nn.Parameter(torch.ones(2).half())
+    opt = halfadam.AdamW([p])
+    scaler = halfadam.GradScaler(init_scale=4.0)
+    scaler.scale(p.float().sum()).backward()
+    with pytest.raises(TypeError, match="max_norm"):
+        scaler.clip_grad_norm_(opt, True)
+    with pytest.raises(ValueError, match="max_norm"):
+        scaler.clip_grad_norm_(opt, -1.0)
+    with pytest.raises(TypeError, match="norm_type"):
+        scaler.clip_grad_norm_(opt, 1.0, norm_type=True)
+    scaler.step(opt)
+    for bad, exc in [(True, TypeError), (torch.tensor(True), TypeError), ("8", TypeError), (0.0, ValueError),
+                     (1e-40, ValueError), (float("inf"), ValueError)]:
+        with pytest.raises(exc, match="new_scale"):
+            scaler.update(new_scale=bad)
+    assert scaler.get_scale() == 4.0
+    scaler.update(new_scale=torch.tensor([8.0]))
+    assert scaler.get_scale() == 8.0
+
+
+# ---------------------------------------------------------------------------------- load_state_dict
+@pytest.mark.parametrize("key, value, exc", [
+    ("growth_interval", 2.5, TypeError), ("growth_interval", 2.0, TypeError), ("growth_interval", True, TypeError),
+    ("growth_interval", 0, ValueError), ("_growth_tracker", 2.7, TypeError), ("_growth_tracker", True, TypeError),
+    ("_growth_tracker", "3", TypeError), ("_growth_tracker", -1, ValueError), ("scale", True, TypeError),
+    ("scale", "1024", TypeError), ("scale", torch.tensor(8.0), TypeError), ("scale", 0.0, ValueError),
+    ("scale", 1e-40, ValueError), ("scale", float("inf"), ValueError), ("growth_factor", True, TypeError),
+    ("growth_factor", 1.0, ValueError), ("backoff_factor", False, TypeError), ("backoff_factor", 1.0, ValueError),
+])
+def test_load_state_dict_rejects_bad_entries_and_changes_nothing(key, value, exc):
+    scaler = halfadam.GradScaler(init_scale=256.0, growth_interval=5)
+    p = torch.nn.Parameter(torch.ones(1).half())
+    opt = halfadam.AdamW([p])
+    for _ in range(3):  # a live scale tensor and tracker
+        scaler.scale(p.float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    before = scaler.state_dict()
+    # every other entry valid and different from the current state: none of them may land either
+    other = {"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 9, "_growth_tracker": 1}
+    with pytest.raises(exc, match=key):
+        scaler.load_state_dict({**other, key: value})
+    assert scaler.state_dict() == before
+    assert scaler.get_growth_factor() == 2.0 and scaler.get_backoff_factor() == 0.5
+    torch.amp.GradScaler("cpu").load_state_dict(other)  # the valid entries are valid for torch too
+    scaler.load_state_dict(other)
+    assert scaler.state_dict() == other

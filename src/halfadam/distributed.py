@@ -178,8 +178,12 @@ def _all_reduce_(t: Tensor, op: Any, group: Any) -> None:
         t.copy_(buf.to(device))
 
 
-def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any = None) -> Tensor:
-    """The ``norm_type``-norm of all ``grads`` together, as a float32 0-d tensor, across shards.
+def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any = None,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, as a 0-d ``dtype`` tensor, across shards.
+
+    ``dtype`` (default float32) is also the accumulation dtype: float64 keeps the sum of squares of
+    large finite float32/bfloat16 values from overflowing (it overflows float32 from 1.8e19).
 
     Plain tensors contribute their local norm (DDP gradients are replicated, so this is the global
     norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor: their sharded norm
@@ -200,25 +204,26 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
         if is_dtensor(g) and g.device_mesh.ndim == 1 and all(pl.is_shard() for pl in g.placements):
             # Disjoint shards (FSDP2): combine the local norms with one collective per mesh.
             sharded.setdefault(g.device_mesh, []).append(
-                torch.linalg.vector_norm(g.to_local(), norm_type, dtype=torch.float32))
+                torch.linalg.vector_norm(g.to_local(), norm_type, dtype=dtype))
             continue
-        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+        n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
         if is_dtensor(n):  # any other placement: let DTensor reduce it
             n = n.full_tensor()
         norms.append(n.to(device))
     foreach_norm = getattr(torch, "_foreach_norm", None)  # one kernel per device for many tensors
     for ts in plain.values():
         if foreach_norm is not None:
-            norms += [n.to(device) for n in foreach_norm(ts, norm_type, dtype=torch.float32)]
+            norms += [n.to(device) for n in foreach_norm(ts, norm_type, dtype=dtype)]
         else:
-            norms += [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32).to(device) for t in ts]
+            norms += [torch.linalg.vector_norm(t, norm_type, dtype=dtype).to(device) for t in ts]
     dist = torch.distributed
     for mesh, local_norms in sharded.items():
         part = torch.linalg.vector_norm(torch.stack(local_norms), norm_type)
         part = part if inf else part.double() ** norm_type
         _all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, mesh.get_group())
-        norms.append((part if inf else part ** (1.0 / norm_type)).float().to(device))
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+        norms.append((part if inf else part ** (1.0 / norm_type)).to(device, dtype))
+    total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
+             else torch.zeros((), dtype=dtype, device=device))
     group = resolve_process_group(shard_group)
     if group is not None:
         dist = torch.distributed
@@ -227,7 +232,7 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
         else:
             powered = total.double() ** norm_type
             _all_reduce_(powered, dist.ReduceOp.SUM, group)
-            total = (powered ** (1.0 / norm_type)).float()
+            total = (powered ** (1.0 / norm_type)).to(dtype)
     return total
 
 

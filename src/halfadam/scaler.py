@@ -12,9 +12,10 @@ other optimizer it unscales ``param.grad`` in place, as torch does.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,13 +26,78 @@ __all__ = ["GradScaler"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
+#: The loss scale never goes below 2**-126, the smallest normal float32 (see :class:`GradScaler`).
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+_MAX_SCALE = torch.finfo(torch.float32).max
+#: :meth:`GradScaler.update` warns after this many consecutive overflowing steps.
+_OVERFLOW_WARNING_STEPS = 32
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a float; TypeError naming ``name`` unless it is a real number (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _int(name: str, value: Any) -> int:
+    """``value`` as an int; TypeError naming ``name`` unless it is an integer (a bool or 2.0 is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _scale_value(name: str, value: Any) -> float:
+    """``value`` checked as a loss scale: a real number in [2**-126, float32 max]."""
+    value = _real(name, value)
+    if not _MIN_SCALE <= value <= _MAX_SCALE:
+        raise ValueError(f"{name} must be in [2**-126, {_MAX_SCALE:.6g}] (a positive, normal, finite float32), "
+                         f"got {value!r}")
+    return value
+
+
+def _settings(scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+              scale_name: str) -> Tuple[float, float, float, int]:
+    """The checked ``(scale, growth_factor, backoff_factor, growth_interval)``.
+
+    Raises TypeError (wrong type, bools included) or ValueError (out of range) naming the argument;
+    ``scale_name`` is the scale's name (``init_scale``, or ``scale`` in a state_dict).
+    """
+    scale = _scale_value(scale_name, scale)
+    growth_factor = _real("growth_factor", growth_factor)
+    if not (growth_factor > 1.0 and math.isfinite(growth_factor)):
+        raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
+    backoff_factor = _real("backoff_factor", backoff_factor)
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    growth_interval = _int("growth_interval", growth_interval)
+    if growth_interval <= 0:
+        raise ValueError(f"growth_interval must be an int > 0, got {growth_interval!r}")
+    return scale, growth_factor, backoff_factor, growth_interval
+
+
+def _global_norm(grads: List[Tensor], norm_type: float = 2.0, shard_group: Any = None) -> Tensor:
+    """The ``norm_type``-norm of ``grads`` (see :func:`total_norm`) as a float64 0-d tensor, free of overflow.
+
+    Accumulated in float64: in float32 the sum of squares of finite float32/bfloat16 values overflows
+    from about 1.8e19, long before any value does. The 2-norm of float16 gradients alone stays in
+    float32 (no overhead): each square is at most 65504**2, so the sum cannot overflow. The result is
+    therefore inf/nan exactly when a gradient holds inf/nan, except for float64 gradients beyond
+    about 1e154, whose squares overflow float64 (see :meth:`GradScaler._fused_step`).
+    """
+    exact32 = norm_type == 2.0 and all(g.dtype == torch.float16 for g in grads)
+    acc = torch.float32 if exact32 else torch.float64
+    return total_norm(grads, norm_type, shard_group=shard_group, dtype=acc).double()
+
 
 def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
     """Multiply ``tensors`` by ``inv_scale`` in place; set ``found_inf`` to 1.0 if any holds inf/nan.
 
     ``found_inf`` and ``inv_scale`` are 1-element float32 tensors on one device. Uses torch's fused
     ``_amp_foreach_non_finite_check_and_unscale_`` (the op behind torch.amp.GradScaler) when present,
-    per (device, dtype) group; otherwise plain public ops. This is the only private torch op used here.
+    per (device, dtype) group; otherwise plain public ops with the same result: the check reads the
+    values before unscaling, and the product is computed in float32 (float64 for float64 tensors).
+    This is the only private torch op used here.
     """
     groups: Dict[Any, List[Tensor]] = defaultdict(list)
     for t in map(local, tensors):  # DTensor (FSDP2) gradients: their local shards, in place
@@ -44,8 +110,8 @@ def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Ten
             fused(ts, local_inf, local_inv)
         else:
             for t in ts:
-                t.mul_(local_inv.to(t.dtype))
                 local_inf = torch.maximum(local_inf, (~torch.isfinite(t)).any().float())
+                t.mul_(local_inv.reshape(()))  # a 0-d factor: computed in float32, rounded once
         found_inf.copy_(torch.maximum(found_inf, local_inf.to(found_inf.device)))
 
 
@@ -64,10 +130,11 @@ class GradScaler:
     Args:
         device: ``"cpu"``, ``"cuda"`` or a ``torch.device`` for the scale tensor; ``None`` (default)
             takes the device of the first tensor passed to :meth:`scale`.
-        init_scale: initial loss scale (> 0, finite). Default ``2**16``.
-        growth_factor: factor (> 1) applied after ``growth_interval`` consecutive clean steps.
+        init_scale: initial loss scale, a real number in [2**-126, float32 max ~ 3.4e38] (see the
+            floor below). Default ``2**16``.
+        growth_factor: factor (> 1, finite) applied after ``growth_interval`` consecutive clean steps.
         backoff_factor: factor in (0, 1) applied after a step with inf/nan gradients.
-        growth_interval: clean steps (int > 0) between growths.
+        growth_interval: clean steps (an int > 0) between growths.
         enabled: ``False`` makes every method a pass-through (``scale`` returns its input, ``step``
             calls ``optimizer.step()``).
         process_group: the ranks that agree on skipping a step (keyword only). ``"auto"`` (default):
@@ -78,16 +145,18 @@ class GradScaler:
             harmless under DDP (one 4-byte all-reduce per step). A ZeroRedundancyOptimizer always
             agrees over its own process group (its step is a collective; each rank checks only the
             gradients of its shard).
-        max_grad_norm: if given (a number > 0), :meth:`step` clips the gradients to this global L2
-            norm, computed in float32 after unscaling, over each optimizer's gradients (as
+        max_grad_norm: if given (a real number > 0, finite), :meth:`step` clips the gradients to this
+            global L2 norm of the unscaled gradients, over each optimizer's gradients (as
             ``clip_grad_norm_`` would, without a separate call). ``None`` (default): no clipping.
 
     The fused hand-over: when :meth:`step` is called on a halfadam optimizer without a prior
     :meth:`unscale_`, the gradients are not unscaled into new tensors. One pass over the raw
-    (scaled) gradients computes their float32 global norm, which is inf/nan exactly when a gradient
-    is; if finite, ``optimizer.step(grad_scale=inv_scale * clip_coefficient)`` unscales, clips and
-    updates while reading each gradient once more (inside the fused kernel). Call :meth:`unscale_`
-    yourself only if you need the unscaled gradients (e.g. for your own clipping).
+    (scaled) gradients computes their global L2 norm, accumulated so that it cannot overflow
+    (float64; float32 for float16 gradients, whose squares cannot overflow it): it is inf/nan
+    exactly when a gradient holds inf/nan, as torch.amp.GradScaler's check. If finite,
+    ``optimizer.step(grad_scale=inv_scale * clip_coefficient)`` unscales, clips and updates while
+    reading each gradient once more (inside the fused kernel). Call :meth:`unscale_` yourself only if
+    you need the unscaled gradients (e.g. for your own clipping).
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
@@ -96,7 +165,20 @@ class GradScaler:
     does not call the optimizer: parameters, master weights, moments and step counts stay bit-for-bit
     unchanged, and :meth:`update` multiplies the scale by ``backoff_factor``.
 
+    The scale's floor: unlike torch.amp.GradScaler, whose scale reaches 0.0 after about 150
+    consecutive overflows and never recovers, the scale never goes below 2**-126, the smallest
+    normal float32. That is the smallest scale whose inverse, the unscale factor, is a finite float32
+    (2**126; exact for powers of two): below it the inverse overflows to inf, unscaling turns every
+    zero gradient into nan (0 * inf), and every later step overflows again. At the floor, training
+    resumes as soon as the gradients are finite (the scale then grows as usual). Since inf/nan
+    that no scale cures (a nan in the loss, the data or the model) is the usual reason for a long
+    run of overflows, :meth:`update` warns (UserWarning) when the scale reaches the floor or after
+    32 consecutive overflowing steps (with the default factors the scale is then 2**-16: a float16
+    gradient would have to exceed 4e9 to overflow), once per run of consecutive overflows.
+
     Raises:
+        TypeError: an argument of the wrong type, e.g. a bool or a string where a number is meant
+            (named in the message).
         ValueError: an argument out of range (named in the message).
         RuntimeError: the call sequence is broken (``unscale_`` twice, ``step`` twice without
             ``update``, ``update`` without any step's inf check).
@@ -114,32 +196,23 @@ class GradScaler:
         *,
         process_group: Any = AUTO,
     ):
-        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0 and math.isfinite(growth_factor)):
-            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor!r}")
-        if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not (isinstance(growth_interval, int) and not isinstance(growth_interval, bool) and growth_interval > 0):
-            raise ValueError(f"growth_interval must be an int > 0, got {growth_interval!r}")
+        (self._init_scale, self._growth_factor, self._backoff_factor,
+         self._growth_interval) = _settings(init_scale, growth_factor, backoff_factor, growth_interval, "init_scale")
+        if max_grad_norm is not None:
+            max_grad_norm = _real("max_grad_norm", max_grad_norm)
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
+        self._max_grad_norm = max_grad_norm
         self._device = None if device is None else torch.device(device)
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = growth_interval
         self._enabled = bool(enabled)
         self._process_group = process_group
-        if max_grad_norm is not None and not (
-                isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
-                and math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
-        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         #: The global gradient norm (unscaled, before clipping) of the last :meth:`step` that clipped
         #: through ``max_grad_norm``, a 0-d float32 tensor; ``None`` before.
         self.last_grad_norm: Optional[Tensor] = None
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._init_growth_tracker = 0
+        self._overflow_streak, self._streak_warned = 0, False  # consecutive overflows, for the warning
         self._per_optimizer: Dict[int, Dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ scale
@@ -155,13 +228,20 @@ class GradScaler:
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` (a tensor, or a list/tuple of them, nested) by the loss scale.
 
-        The product keeps each output's dtype. Returns ``outputs`` unchanged when disabled.
+        Each product is ``output * scale`` with the scale as a 0-d float32 tensor, exactly as
+        torch.amp.GradScaler computes it: the product has the output's shape and dtype (a float16
+        loss of shape (3,) gives a float16 product of shape (3,)), except that a 0-d float16/bfloat16
+        output gives a 0-d float32 product (torch's promotion of two 0-d tensors; so does torch's
+        scaler). Returns ``outputs`` unchanged when disabled.
+
+        Raises:
+            TypeError: ``outputs`` is neither a tensor nor a list/tuple of them.
         """
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
             self._lazy_init(outputs.device)
-            return outputs * self._scale.to(device=outputs.device)
+            return outputs * self._scale.to(device=outputs.device).reshape(())
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
@@ -241,14 +321,22 @@ class GradScaler:
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the unscaled gradients of ``optimizer`` to a total norm of at most ``max_norm``.
 
-        Calls :meth:`unscale_` first if needed. The norm is computed in float32 over the gradients the
-        optimizer will use (for halfadam optimizers the unscaled float32 ones, which
-        ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see). Returns the total
-        norm before clipping (inf/nan if a gradient overflowed; that step is skipped anyway).
+        Calls :meth:`unscale_` first if needed. The norm is computed over the gradients the optimizer
+        will use (for halfadam optimizers the unscaled float32 ones, which
+        ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see), accumulated in
+        float64 so that large finite gradients cannot overflow it. Returns the total norm before
+        clipping as a 0-d float32 tensor (inf/nan if a gradient overflowed; that step is skipped anyway).
         For sharded (``DTensor``, FSDP2) gradients the norm is that of the whole gradients, reduced
         across ranks; under a ZeroRedundancyOptimizer the norms of the ranks' shards are combined
         over its process group; replicated (DDP) gradients give the global norm locally.
+
+        Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a real number (a bool is not).
+            ValueError: ``max_norm`` is negative or nan.
         """
+        max_norm, norm_type = _real("max_norm", max_norm), _real("norm_type", norm_type)
+        if not max_norm >= 0.0:
+            raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
         if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
             self.unscale_(optimizer)
         st = self._opt_state(optimizer)
@@ -257,11 +345,11 @@ class GradScaler:
         if not grads and shard_group is None:
             return torch.zeros(())
         # Across shards: DTensor (FSDP2) gradients over their mesh, ZeRO's shards over its group.
-        total = total_norm(grads, norm_type, shard_group=shard_group)
+        total = _global_norm(grads, norm_type, shard_group=shard_group)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in map(local, grads):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
-        return total
+        return total.float()
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and call ``optimizer.step`` unless a gradient is inf/nan.
@@ -301,19 +389,26 @@ class GradScaler:
     def _fused_step(self, optimizer: Any, st: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """Check, (clip) and step reading the scaled gradients, never writing unscaled copies.
 
-        The float32 norm of the raw gradients is inf/nan exactly when one of them is (squares of
-        finite float16 values cannot overflow float32), so one reduction gives both the inf check
-        and the clipping norm (across shards and ranks, see :func:`halfadam.distributed.total_norm`).
-        The optimizer multiplies each gradient by ``grad_scale`` as it reads it.
+        The norm of the raw gradients from :func:`_global_norm` cannot overflow, so it is inf/nan
+        exactly when a gradient holds inf/nan: one reduction gives both the inf check and the
+        clipping norm (across shards and ranks, see :func:`halfadam.distributed.total_norm`). Only
+        float64 gradients' squares can overflow it (beyond about 1e154); when such a norm is not
+        finite, the max-norm (which cannot overflow) decides instead. The optimizer multiplies each
+        gradient by ``grad_scale`` as it reads it.
         """
         inv_scale = self._scale.double().reciprocal().float()
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = (total_norm(grads, 2.0).to(self._scale.device) * inv_scale).reshape(())
-        st["found_inf"] = all_reduce_found_inf((~torch.isfinite(total)).float().reshape(1), self._process_group)
+        raw = _global_norm(grads, 2.0)
+        found_inf = ~torch.isfinite(raw)
+        if any(g.dtype == torch.float64 for g in grads) and found_inf:
+            found_inf = ~torch.isfinite(total_norm(grads, math.inf, dtype=torch.float64))
+        st["found_inf"] = all_reduce_found_inf(found_inf.float().reshape(1).to(self._scale.device),
+                                               self._process_group)
         grad_scale = inv_scale
         if self._max_grad_norm is not None:
-            self.last_grad_norm = total
-            grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0)
+            total = (raw.to(self._scale.device) * inv_scale).reshape(())  # unscaled, float64
+            self.last_grad_norm = total.float()
+            grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0).float()
         result = None
         if st["found_inf"].item() == 0.0:
             result = optimizer.step(*args, grad_scale=grad_scale, **kwargs)
@@ -323,19 +418,26 @@ class GradScaler:
     def update(self, new_scale: Optional[float] = None) -> None:
         """Set the next loss scale: back off after an inf/nan, grow after ``growth_interval`` clean steps.
 
+        After an overflow the scale is ``max(scale * backoff_factor, 2**-126)`` (the floor, see the
+        class docstring; torch.amp.GradScaler's has none); a growth that would overflow float32 keeps
+        the scale. Warns (UserWarning) once per run of consecutive overflows, when the scale reaches
+        the floor or the run reaches 32 steps.
+
         Args:
-            new_scale: use this scale instead (a float or a 1-element tensor); the growth tracker is
-                left as is.
+            new_scale: use this scale instead (a real number or a 1-element tensor, in [2**-126,
+                float32 max]); the growth tracker is left as is.
+
+        Raises:
+            TypeError / ValueError: a ``new_scale`` of the wrong type / out of range.
+            RuntimeError: no scale exists yet (no :meth:`scale` call), or no step's inf check was recorded.
         """
         if not self._enabled:
             return
         if self._scale is None:
             raise RuntimeError("update() called before scale(): no loss scale exists yet.")
         if new_scale is not None:
-            value = new_scale.item() if isinstance(new_scale, Tensor) else float(new_scale)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"new_scale must be a finite number > 0, got {new_scale!r}")
-            self._scale.fill_(value)
+            value = new_scale.item() if isinstance(new_scale, Tensor) else new_scale
+            self._scale.fill_(_scale_value("new_scale", value))
         else:
             found = [st["found_inf"] for st in self._per_optimizer.values() if st["found_inf"] is not None]
             if not found:
@@ -345,10 +447,29 @@ class GradScaler:
             grow = tracker >= self._growth_interval
             grown = self._scale * self._growth_factor
             grown = torch.where(torch.isfinite(grown), grown, self._scale)
-            self._scale.copy_(torch.where(found_inf, self._scale * self._backoff_factor,
-                                          torch.where(grow, grown, self._scale)))
+            backed_off = torch.clamp(self._scale * self._backoff_factor, min=_MIN_SCALE)
+            self._scale.copy_(torch.where(found_inf, backed_off, torch.where(grow, grown, self._scale)))
             self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
+            self._warn_on_overflow_streak(bool(found_inf))  # step() has synchronized on found_inf already
         self._per_optimizer.clear()
+
+    def _warn_on_overflow_streak(self, overflow: bool) -> None:
+        """Count consecutive overflows; warn once per run of them, at the floor or at 32 of them."""
+        if not overflow:
+            self._overflow_streak, self._streak_warned = 0, False
+            return
+        self._overflow_streak += 1
+        if self._streak_warned:
+            return
+        scale = self._scale.item()
+        if scale <= _MIN_SCALE or self._overflow_streak >= _OVERFLOW_WARNING_STEPS:
+            self._streak_warned = True
+            reason = "reached its floor 2**-126" if scale <= _MIN_SCALE else f"is {scale:.3g}"
+            warnings.warn(
+                f"GradScaler: {self._overflow_streak} consecutive steps had inf/nan gradients and were "
+                f"skipped; the loss scale {reason}. Lowering the scale does not seem to cure it: look for "
+                f"inf/nan in the loss, the data or the model. Training resumes (and the scale grows "
+                f"again) at the first step with finite gradients.", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -370,9 +491,14 @@ class GradScaler:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or from ``torch.amp.GradScaler``); checked first.
 
+        Each value is checked as the constructor checks its argument (``scale`` as ``init_scale``;
+        ``_growth_tracker``: an int >= 0); nothing is changed unless every check passes.
+
         Raises:
             RuntimeError: loading a non-empty state into a disabled scaler, or an empty one.
-            KeyError / ValueError: a missing key or a value out of range (nothing is changed).
+            KeyError: a missing key.
+            TypeError: a value of the wrong type (a bool, a string, 2.5 for an int), naming the key.
+            ValueError: a value out of range, naming the key.
         """
         if not self._enabled:
             if state_dict:
@@ -384,16 +510,12 @@ class GradScaler:
                    if k not in state_dict]
         if missing:
             raise KeyError(f"GradScaler state_dict is missing {missing}")
-        check = GradScaler(init_scale=float(state_dict["scale"]), growth_factor=state_dict["growth_factor"],
-                           backoff_factor=state_dict["backoff_factor"],
-                           growth_interval=int(state_dict["growth_interval"]))
-        tracker = int(state_dict["_growth_tracker"])
+        settings = _settings(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
+                             state_dict["growth_interval"], "scale")
+        tracker = _int("_growth_tracker", state_dict["_growth_tracker"])
         if tracker < 0:
             raise ValueError(f"_growth_tracker must be >= 0, got {tracker}")
-        self._init_scale = check._init_scale
-        self._growth_factor = check._growth_factor
-        self._backoff_factor = check._backoff_factor
-        self._growth_interval = check._growth_interval
+        self._init_scale, self._growth_factor, self._backoff_factor, self._growth_interval = settings
         self._init_growth_tracker = tracker
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
