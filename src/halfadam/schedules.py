@@ -35,6 +35,8 @@ Driving a schedule from PyTorch.  :func:`as_lr_scheduler` wraps any schedule
 in a :class:`torch.optim.lr_scheduler.LRScheduler` so that code calling
 ``scheduler.step()`` after each ``optimizer.step()`` sees
 ``param_group["lr"] == schedule(n)`` after ``n`` calls to ``step()``.
+``as_lr_scheduler(optimizer)`` (no schedule) instead follows a halfadam
+optimizer's own schedules, for frameworks that log ``get_last_lr()``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -742,40 +745,62 @@ class CosineAnnealingWarmRestarts(_CosineAnnealingBase):
 
 
 class ScheduleLR(LRScheduler):
-    """A ``torch.optim.lr_scheduler.LRScheduler`` that sets absolute learning rates.
+    """A ``torch.optim.lr_scheduler.LRScheduler`` that sets absolute learning rates, or follows a
+    halfadam optimizer's own schedules.
 
-    Like :class:`torch.optim.lr_scheduler.LambdaLR`, but ``param_group["lr"]``
-    is set to ``schedule(last_epoch)`` itself, not ``initial_lr`` times it.
-    After construction (``last_epoch=-1``) the rate is ``schedule(0)``; after
-    ``n`` calls to :meth:`step` it is ``schedule(n)``.  Build it with
-    :func:`as_lr_scheduler`.
+    With a ``schedule``: like :class:`torch.optim.lr_scheduler.LambdaLR`, but
+    ``param_group["lr"]`` is set to ``schedule(last_epoch)`` itself, not
+    ``initial_lr`` times it.  After construction (``last_epoch=-1``) the rate is
+    ``schedule(0)``; after ``n`` calls to :meth:`step` it is ``schedule(n)``.
+
+    With ``schedule=None`` (follow mode, for a halfadam optimizer): it writes
+    nothing.  Each :meth:`step` (and the construction) records, per group, the
+    learning rate the optimizer's coming step uses: its ``lr_schedule`` at the
+    group's ``global_step``, or the group's fixed ``lr``.  So
+    :meth:`get_last_lr`, which frameworks log, reports the optimizer's
+    schedule, however often :meth:`step` is called, and the optimizer's
+    schedule stays the one source of truth.
+
+    :meth:`state_dict` leaves the schedules out (they are configuration, given
+    again at construction), so it loads with ``torch.load(weights_only=True)``.
+    Build it with :func:`as_lr_scheduler`.
     """
 
     def __init__(
         self,
         optimizer: Optimizer,
-        schedule: Callable[[int], float] | Sequence[Callable[[int], float]],
+        schedule: Callable[[int], float] | Sequence[Callable[[int], float]] | None = None,
         last_epoch: int = -1,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        n_groups = len(optimizer.param_groups)
-        if isinstance(schedule, (list, tuple)):
-            if len(schedule) != n_groups:
-                raise ValueError(
-                    f"schedule must be one callable or {n_groups} (one per param group), "
-                    f"got {len(schedule)}"
-                )
-            schedules = list(schedule)
-        else:
-            schedules = [schedule] * n_groups
-        for s in schedules:
-            if not callable(s):
-                raise TypeError(f"schedule must be callable, got {s!r}")
         if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
             raise ValueError(f"last_epoch must be an int >= -1, got {last_epoch!r}")
+        n_groups = len(optimizer.param_groups)
+        if schedule is None:
+            for i, group in enumerate(optimizer.param_groups):
+                if "lr_schedule" not in group or "global_step" not in group:
+                    raise TypeError(
+                        f"schedule=None follows the learning-rate schedules of a halfadam optimizer, but "
+                        f"param_groups[{i}] of {type(optimizer).__name__} has no 'lr_schedule'/'global_step': "
+                        f"pass a schedule (a callable of the step) to drive its lr"
+                    )
+            schedules = None
+        else:
+            if isinstance(schedule, (list, tuple)):
+                if len(schedule) != n_groups:
+                    raise ValueError(
+                        f"schedule must be one callable or {n_groups} (one per param group), "
+                        f"got {len(schedule)}"
+                    )
+                schedules = list(schedule)
+            else:
+                schedules = [schedule] * n_groups
+            for s in schedules:
+                if not callable(s):
+                    raise TypeError(f"schedule must be callable, got {s!r}")
         self.schedules = schedules
         # Absolute schedules do not use initial_lr, but LRScheduler requires it
         # when resuming (last_epoch >= 0); provide it so resuming just works.
@@ -783,36 +808,89 @@ class ScheduleLR(LRScheduler):
             group.setdefault("initial_lr", group["lr"])
         super().__init__(optimizer, last_epoch)
 
+    @property
+    def follows_optimizer(self) -> bool:
+        """Whether this scheduler follows the optimizer's own schedules (``schedule=None``)."""
+        return self.schedules is None
+
     def get_lr(self) -> list[float]:
-        """Learning rate of each param group at step ``last_epoch``."""
+        """Learning rate of each param group at step ``last_epoch`` (follow mode: of the optimizer's
+        coming step)."""
+        if self.schedules is None:
+            return self._followed_lr()
         return [float(s(self.last_epoch)) for s in self.schedules]
 
     def _get_closed_form_lr(self) -> list[float]:
         return self.get_lr()
 
+    def _followed_lr(self) -> list[Any]:
+        from . import hyperparams
+
+        values: list[Any] = []
+        for group in self.optimizer.param_groups:
+            value = group["lr"]
+            schedule = group.get("lr_schedule")
+            if schedule is not None:
+                try:
+                    value = hyperparams.value_at(schedule, group["global_step"], "lr")
+                except Exception:  # the optimizer's next step reports it; show what the group shows
+                    pass
+            values.append(value.clone() if isinstance(value, Tensor) else value)
+        return values
+
+    def step(self, epoch: int | None = None) -> None:
+        """Advance ``last_epoch``; set the learning rates from the schedule (follow mode: only record
+        the optimizer's, see :meth:`get_last_lr`)."""
+        if self.schedules is not None:
+            super().step(epoch)
+            return
+        self._step_count = getattr(self, "_step_count", 0) + 1
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+        self._last_lr = self._followed_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state without the optimizer and the schedules (plain data)."""
+        return {k: v for k, v in super().state_dict().items() if k != "schedules"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; the schedules given at construction stay (a ``schedules`` entry,
+        from an older state dict, is ignored)."""
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "schedules"})
+
 
 def as_lr_scheduler(
     optimizer: Optimizer,
-    schedule: Callable[[int], float] | Sequence[Callable[[int], float]],
+    schedule: Callable[[int], float] | Sequence[Callable[[int], float]] | None = None,
     last_epoch: int = -1,
 ) -> ScheduleLR:
-    """Drive ``optimizer``'s learning rates from ``schedule`` via ``scheduler.step()``.
+    """A ``torch.optim.lr_scheduler.LRScheduler`` for ``optimizer``: driving its learning rates from
+    ``schedule``, or (``schedule=None``) reporting a halfadam optimizer's own.
+
+    ``as_lr_scheduler(opt)`` is what to hand a framework that wants a scheduler (HF ``Trainer``'s
+    ``optimizers=(opt, scheduler)``, Lightning's ``lr_scheduler``, accelerate's ``prepare``) when
+    the schedule is the optimizer's ``lr=``/``learning_rate=``: it never writes ``group["lr"]``
+    and its ``get_last_lr()`` is, as for a torch scheduler, the learning rate of the optimizer step
+    that follows its last ``step()``.
 
     Args:
-        optimizer: The optimizer whose ``param_groups[i]["lr"]`` are set.
+        optimizer: The optimizer whose ``param_groups[i]["lr"]`` are set (or followed).
         schedule: A schedule from this module (or any ``step -> lr`` callable
             returning an absolute learning rate), or a list/tuple with one per
-            param group.
+            param group; ``None`` (default) to follow the halfadam optimizer's
+            groups: each group's ``lr_schedule`` at its ``global_step``, or its
+            fixed ``lr``.
         last_epoch: Index of the last step taken; ``-1`` starts fresh (lr is
             ``schedule(0)`` right away).  When resuming at ``k`` the lr becomes
-            ``schedule(k + 1)``.
+            ``schedule(k + 1)``.  In follow mode only a counter.
 
     Returns:
-        A :class:`ScheduleLR` (a ``torch.optim.lr_scheduler.LRScheduler``);
-        after ``n`` calls to ``step()`` each group's lr is ``schedule(n)``.
+        A :class:`ScheduleLR`; with a schedule, after ``n`` calls to ``step()``
+        each group's lr is ``schedule(n)``.
 
     Raises:
-        TypeError: ``optimizer`` is not an Optimizer or a schedule is not callable.
+        TypeError: ``optimizer`` is not an Optimizer; a schedule is not callable;
+            ``schedule=None`` for an optimizer whose groups are not halfadam's
+            (no ``lr_schedule``/``global_step``).
         ValueError: wrong number of schedules or ``last_epoch < -1``.
     """
     return ScheduleLR(optimizer, schedule, last_epoch)
