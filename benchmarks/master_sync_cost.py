@@ -36,24 +36,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=float, default=2e7)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = ap.parse_args()
     n = int(args.numel)
     kernels = {"with sync": torch.compile(executions._flat_kernel, fullgraph=True),
                "without sync": torch.compile(_without_sync, fullgraph=True)}
-    f64 = dict(dtype=torch.float64)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    f64 = dict(dtype=torch.float64, device=dev)
     coefficients = functional.adam_coefficients(step=torch.tensor(3.0, **f64), lr=torch.tensor(1e-3, **f64),
                                                 beta1=0.9, beta2=0.999, eps=1e-8,
                                                 weight_decay=torch.tensor(0.01, **f64))
-    for threads in (1, 2):
+    for threads in (1, 2) if dev.type == "cpu" else (torch.get_num_threads(),):
         torch.set_num_threads(threads)
-        p32 = torch.randn(n).requires_grad_()
-        p32.grad = torch.randn(n) * 1e-3
+        p32 = torch.randn(n, device=dev).requires_grad_()
+        p32.grad = torch.randn(n, device=dev) * 1e-3
         torch_opt = torch.optim.AdamW([p32], lr=1e-3, weight_decay=0.01, fused=True)
         runs = {"torch fused fp32": torch_opt.step}
         for dtype in (torch.float16, torch.bfloat16):
-            master = torch.randn(n) * 0.02
-            param, grad = master.to(dtype), (torch.randn(n) * 1e-3).to(dtype)
-            m, v = torch.zeros(n), torch.zeros(n)
+            master = torch.randn(n, device=dev) * 0.02
+            param, grad = master.to(dtype), (torch.randn(n, device=dev) * 1e-3).to(dtype)
+            m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
             for name, fn in kernels.items():
                 runs[f"{name} {str(dtype)[6:]}"] = (lambda fn=fn, master=master, grad=grad, m=m, v=v, param=param:
                                                     fn(master, grad, m, v, param, coefficients, None,
@@ -61,12 +64,15 @@ def main() -> None:
         times = {k: [] for k in runs}
         for r in range(args.repeat + 2):
             for name, run in runs.items():
+                sync()
                 t0 = time.perf_counter()
                 run()
+                sync()
                 if r >= 2:
                     times[name].append(time.perf_counter() - t0)
         ref = statistics.median(times["torch fused fp32"])
-        print(f"{threads} thread(s), {n / 1e6:.0f}M elements in one bucket; median of {args.repeat}")
+        where = f"{threads} thread(s)" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+        print(f"{where}, {n / 1e6:.0f}M elements in one bucket; median of {args.repeat}")
         for name, ts in times.items():
             t = statistics.median(ts)
             print(f"  {name:22s} {t * 1e3:7.2f} ms  {t / ref:5.2f}x torch fused")

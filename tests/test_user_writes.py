@@ -359,3 +359,16 @@ def test_outer_torch_compile_of_step(dtype):
         compiled_step()
         ref_opt.step()
     _assert_follows(half, opt, ref)
+
+
+def test_group_added_later_shows_its_coming_steps_lr():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([a], lr=1e-3)
+    for _ in range(3):
+        opt.step(grads={a: torch.ones(2)})
+    opt.add_param_group({"params": [b], "lr": lambda t: 0.1 * t})
+    assert opt.param_groups[1]["global_step"] == 3 and opt.param_groups[1]["lr"] == pytest.approx(0.3)
+    before = b.detach().clone()
+    opt.step(grads={a: torch.ones(2), b: torch.ones(2)})
+    assert (before - b.detach())[0].item() == pytest.approx(0.3, rel=1e-6)  # Adam's first step moves by lr
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.4)

@@ -167,13 +167,18 @@ class _AdamBase(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group (validated first; on error nothing is added).
 
-        Its ``global_step`` starts at the optimizer's, so schedules stay aligned across groups.
+        Its ``global_step`` starts at the optimizer's, so schedules stay aligned across groups, and
+        its scheduled ``lr``/``weight_decay`` show their values at that step (the coming step's).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         group = self._normalize_group(param_group, f"param_groups[{len(self.param_groups)}]")
         _check_disjoint(self.param_groups + [group])
         group.setdefault("global_step", max((g["global_step"] for g in self.param_groups), default=0))
+        where = f"param_groups[{len(self.param_groups)}]"
+        for key in ("lr", "weight_decay"):  # show the coming step's value, as every group does
+            if group.get(f"{key}_schedule") is not None:
+                group[key] = _resolve(group, key, where, group["global_step"])
         super().add_param_group(group)
         if self._order_params is not None and len(self.param_groups) > 1:
             known = {id(p) for p in self._order_params}
