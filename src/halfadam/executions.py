@@ -129,7 +129,10 @@ def _get_compiled(key: tuple = ()):
         code = _flat_kernel.__code__.replace(co_name=f"_flat_kernel_{len(_compiled_kernels)}")
         variant = types.FunctionType(code, _flat_kernel.__globals__, code.co_name, _flat_kernel.__defaults__,
                                      _flat_kernel.__closure__)
-        fn = _compiled_kernels[key] = torch.compile(variant, fullgraph=True)
+        # emulate_precision_casts: keep the float32 -> half rounding in the master-sync comparison,
+        # which Inductor otherwise elides (see halfadam.functional.sync_master_).
+        fn = _compiled_kernels[key] = torch.compile(variant, fullgraph=True,
+                                                    options={"emulate_precision_casts": True})
     return fn
 
 
@@ -140,11 +143,6 @@ def compile_available() -> bool:
 
 def _run_kernel(implementation: str, *args, **kwargs) -> None:
     global _compile_failed
-    if torch.compiler.is_compiling():
-        # Traced by an outer torch.compile (``torch.compile(opt.step)``, a compiled train step): the
-        # plain function is traced into the caller's graph, which is then the fused kernel.
-        _flat_kernel(*args, **kwargs)
-        return
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
             weight, grad, _, _, out = args[:5]

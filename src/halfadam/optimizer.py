@@ -284,12 +284,16 @@ class _AdamBase(torch.optim.Optimizer):
                 loc[0].attach(state, loc[1])
         return layout
 
+    @torch.compiler.disable
     def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
                    grad_scale: Optional[Tensor]) -> None:
         """Dispatch one group's step: buckets to the flat path, everything else to the reference.
 
         The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
-        or unused parameters leave gaps) go to one flat step when their step counts agree.
+        or unused parameters leave gaps) go to one flat step when their step counts agree. Never
+        traced by an outer ``torch.compile`` (``torch.compile(opt.step)``, a compiled train step):
+        the update runs halfadam's own kernels, called through a graph break, so it is the same
+        update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
         """
         layout = None if self.implementation == "reference" else self._group_layout(group)
         where = {} if layout is None else layout.where
