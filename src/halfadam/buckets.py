@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .distributed import is_dtensor
+from ._dtensor import is_dtensor
 
 __all__ = ["Bucket", "bucket_key", "build_buckets"]
 

@@ -43,6 +43,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ._dtensor import is_dtensor, local, localize  # noqa: F401  (public here: halfadam.distributed.local...)
+from .optimizer import _AdamBase
+
 __all__ = [
     "AUTO",
     "local",
@@ -64,40 +67,6 @@ __all__ = [
 #: ``torch.distributed`` is initialized with more than one rank.
 AUTO = "auto"
 
-try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # pragma: no cover - torch built without distributed
-    _DTensor = None
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, gradient or state)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
-
-
-def local(t: Any) -> Any:
-    """The local shard of a ``DTensor`` (sharing its storage), or ``t`` itself for anything else."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
-             ) -> Tuple[List[Tuple[Tensor, Tensor]], Dict[Tensor, dict]]:
-    """``pairs`` and ``state`` with every ``DTensor`` replaced by its local shard.
-
-    Returns the inputs themselves when no ``DTensor`` is involved. Otherwise new lists/dicts whose
-    tensors share storage with the originals, so an execution updating them in place updates the
-    sharded parameters and state; non-``DTensor`` entries (the 0-d ``step``) are the same objects.
-    """
-    if not any(is_dtensor(p) or is_dtensor(g) for p, g in pairs):
-        return pairs, state
-    local_pairs, local_state = [], {}
-    for p, g in pairs:
-        lp = local(p)
-        local_pairs.append((lp, local(g)))
-        local_state[lp] = {k: local(v) for k, v in state[p].items()}
-    return local_pairs, local_state
-
-
 def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
     """The halfadam optimizer behind ``optimizer``, or ``None``.
 
@@ -105,8 +74,6 @@ def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
     (``.optim``) for a ``torch.distributed.optim.ZeroRedundancyOptimizer`` built with a halfadam
     ``optimizer_class``.
     """
-    from .optimizer import _AdamBase
-
     if isinstance(optimizer, _AdamBase):
         return optimizer
     inner = getattr(optimizer, "optim", None)

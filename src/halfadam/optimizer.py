@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
+from . import state_dict as _state_dict
+from ._dtensor import local, localize
 from .buckets import Bucket, build_buckets
-from .distributed import local, localize
 from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
 from .functional import DECAY_MODES, sync_master_
 
@@ -373,41 +374,33 @@ class _AdamBase(torch.optim.Optimizer):
                         sync_master_(local(master), local(p))
 
     # ------------------------------------------------------------------ checkpoints
-    # The work is in halfadam.checkpoint; these methods only delegate to it.
+    # The work is in halfadam.state_dict; these methods only delegate to it.
     def state_dict(self) -> Dict[str, Any]:
         """The state in torch's layout, fp32 state as fp32, schedules as plain data.
 
-        See :func:`halfadam.checkpoint.optimizer_state_dict`; ``torch.load(weights_only=True)`` reads it.
+        See :func:`halfadam.state_dict.optimizer_state_dict`; ``torch.load(weights_only=True)`` reads it.
         """
-        from . import checkpoint
-
-        return checkpoint.optimizer_state_dict(self)
+        return _state_dict.optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a halfadam or torch.optim.Adam/AdamW state_dict: checked first, never changes a state dtype.
 
-        See :func:`halfadam.checkpoint.load_optimizer_state_dict`. Raises
+        See :func:`halfadam.state_dict.load_optimizer_state_dict`. Raises
         :class:`halfadam.checkpoint.CheckpointError` (a ValueError) with nothing changed on a mismatch.
         """
-        from . import checkpoint
-
-        checkpoint.load_optimizer_state_dict(self, state_dict)
+        _state_dict.load_optimizer_state_dict(self, state_dict)
 
     def to_torch_state_dict(self) -> Dict[str, Any]:
         """This state as a ``torch.optim.AdamW`` state_dict (no masters); see :mod:`halfadam.checkpoint`."""
-        from . import checkpoint
-
-        return checkpoint.to_torch_state_dict(self)
+        return _state_dict.to_torch_state_dict(self)
 
     def master_state_dict(self, model: torch.nn.Module) -> Dict[str, Tensor]:
         """``model.state_dict()`` with the fp32 master weights in place of the fp16/bf16 parameters.
 
-        See :func:`halfadam.checkpoint.master_state_dict`; load it back with
+        See :func:`halfadam.state_dict.master_state_dict`; load it back with
         :func:`halfadam.checkpoint.load_master_state_dict`.
         """
-        from . import checkpoint
-
-        return checkpoint.master_state_dict(self, model)
+        return _state_dict.master_state_dict(self, model)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -1,0 +1,46 @@
+"""DTensor (FSDP2) helpers every layer may use: the bottom of halfadam's import order.
+
+``halfadam.distributed`` re-exports them; the state and optimizer layers import them from here, so no
+lower layer imports ``distributed`` (which sits above the optimizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+from torch import Tensor
+
+__all__ = ["is_dtensor", "local", "localize"]
+
+try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _DTensor = None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, gradient or state)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t: Any) -> Any:
+    """The local shard of a ``DTensor`` (sharing its storage), or ``t`` itself for anything else."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
+             ) -> Tuple[List[Tuple[Tensor, Tensor]], Dict[Tensor, dict]]:
+    """``pairs`` and ``state`` with every ``DTensor`` replaced by its local shard.
+
+    Returns the inputs themselves when no ``DTensor`` is involved. Otherwise new lists/dicts whose
+    tensors share storage with the originals, so an execution updating them in place updates the
+    sharded parameters and state; non-``DTensor`` entries (the 0-d ``step``) are the same objects.
+    """
+    if not any(is_dtensor(p) or is_dtensor(g) for p, g in pairs):
+        return pairs, state
+    local_pairs, local_state = [], {}
+    for p, g in pairs:
+        lp = local(p)
+        local_pairs.append((lp, local(g)))
+        local_state[lp] = {k: local(v) for k, v in state[p].items()}
+    return local_pairs, local_state

@@ -1,0 +1,609 @@
+"""The optimizer's state_dict: its layout, loading it (checked, then committed), torch interop.
+
+State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
+``AdamW.state_dict()`` / ``load_state_dict()`` call). The state_dict has torch's layout::
+
+    {"state": {index: {"step": 0-d float32 tensor,
+                       "master_weight": float32 tensor (only where the parameter has one),
+                       "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
+     "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
+                       "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
+
+(float64 instead of float32 for float64 parameters). ``global_step`` is the position of the group's
+schedules, which are functions of it; a schedule object is saved *by value* as plain data
+(``{"__schedule__": "module:Class", "attrs": {...}}`` for a plain Python object such as the classes of
+:mod:`halfadam.schedules` and ``PerStepValues``; ``{"__schedule__": ..., "state_dict": ...}`` for an object
+with ``state_dict()``/``load_state_dict()``); a schedule that cannot be saved as data (a lambda, a
+closure) is recorded by name only and the optimizer loading the checkpoint must have been built with
+one. The whole state_dict is therefore made of tensors, numbers, strings, lists, tuples and dicts:
+``torch.save`` it and ``torch.load(..., weights_only=True)`` reads it back.
+
+Loading never changes a state tensor's dtype (float32 state stays float32 for float16/bfloat16
+parameters; ``torch.optim.Optimizer.load_state_dict`` would cast it to float16) and is atomic: every
+count, key, shape, dtype and hyperparameter is checked first; on a mismatch :class:`CheckpointError`
+names the parameter index and what differs, and the optimizer is left exactly as it was. Values are
+then copied *into* the optimizer's state tensors (created through its ``_init_state`` seam), moving to
+the parameter's device. A ``torch.optim.Adam``/``AdamW`` state_dict loads too (its moments are
+upcast to float32, exactly; the master weights are rebuilt from the parameters with a warning), and
+
+This module sits below :mod:`halfadam.optimizer` (whose ``state_dict``/``load_state_dict`` call it) and
+never imports it: it works on any optimizer with halfadam's groups and ``_init_state`` seam.
+:mod:`halfadam.checkpoint` re-exports everything public here.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import numbers
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import hyperparams
+from .functional import DECAY_MODES
+
+__all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
+           "load_optimizer_state_dict", "to_torch_state_dict", "master_state_dict"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_SCHEDULE_KEYS = ("lr_schedule", "weight_decay_schedule")
+#: Group keys of torch.optim.Adam/AdamW that halfadam has no use for (dropped on load).
+_TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                          "decoupled_weight_decay")
+#: Modules whose schedule classes a checkpoint may name without the loading optimizer holding one.
+_TRUSTED_SCHEDULE_MODULES = ("halfadam.",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: unreadable, corrupt, or not matching what it is loaded into.
+
+    Raised before anything is changed (the message names the object, the parameter index or key, and
+    what differs). A ``ValueError``, so code that catches torch's ``ValueError`` on load still does.
+    """
+
+
+# ============================================================================ schedules
+def _class_ref(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _importable(cls: type) -> bool:
+    if "<locals>" in cls.__qualname__:
+        return False
+    try:
+        obj: Any = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            obj = getattr(obj, part)
+    except Exception:
+        return False
+    return obj is cls
+
+
+def _is_plain(value: Any) -> bool:
+    """Data ``torch.load(weights_only=True)`` reads back: numbers, strings, tensors and containers of them."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, Tensor, torch.dtype)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _plain_object(obj: Any) -> bool:
+    """An instance whose whole state is a ``__dict__`` of plain data (pickle's default protocol)."""
+    cls = type(obj)
+    return (
+        isinstance(getattr(obj, "__dict__", None), dict)
+        and not hasattr(cls, "__slots__")
+        and cls.__reduce_ex__ is object.__reduce_ex__
+        and cls.__reduce__ is object.__reduce__
+        and getattr(cls, "__getstate__", object.__getstate__) is getattr(object, "__getstate__", None)
+        and getattr(cls, "__setstate__", None) is None
+        and cls.__new__ is object.__new__
+        and _importable(cls)
+        and _is_plain(vars(obj))
+    )
+
+
+def encode_schedule(schedule: Any) -> Optional[dict]:
+    """A schedule (callable of the global step) as plain data; ``None`` stays ``None``.
+
+    * an object with ``state_dict()`` and ``load_state_dict()``: ``{"__schedule__": "module:Class",
+      "state_dict": schedule.state_dict()}``;
+    * a plain Python object (importable class, state in ``__dict__`` of numbers, strings, lists...;
+      :mod:`halfadam.schedules`, ``PerStepValues``): ``{"__schedule__": ..., "attrs": {...}}``;
+    * anything else (a lambda, a closure, a ``functools.partial``): ``{"__schedule__": ...,
+      "repr": repr(schedule)}``, not saved by value.
+    """
+    if schedule is None:
+        return None
+    entry: Dict[str, Any] = {"__schedule__": _class_ref(type(schedule))}
+    if callable(getattr(schedule, "state_dict", None)) and callable(getattr(schedule, "load_state_dict", None)):
+        entry["state_dict"] = schedule.state_dict()
+    elif _plain_object(schedule):
+        entry["attrs"] = copy.deepcopy(dict(vars(schedule)))
+    else:
+        entry["repr"] = repr(schedule)
+    return entry
+
+
+def _import_schedule_class(ref: str, where: str) -> type:
+    module, _, qualname = ref.partition(":")
+    if not module.startswith(_TRUSTED_SCHEDULE_MODULES):
+        raise CheckpointError(
+            f"{where}: the checkpoint's schedule is a {ref}; build the optimizer with a schedule of that "
+            f"class before loading (its saved attributes then replace the new one's)"
+        )
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:
+        raise CheckpointError(f"{where}: the checkpoint's schedule class {ref} does not exist here") from None
+    if not isinstance(obj, type):
+        raise CheckpointError(f"{where}: {ref} is not a class")
+    return obj
+
+
+def decode_schedule(entry: Any, current: Any, where: str) -> Any:
+    """The schedule an :func:`encode_schedule` entry stands for (a new object; ``current`` is not changed).
+
+    ``current`` is the loading optimizer's schedule for the same key: its class is used for an entry of
+    the same class, and it is kept for an entry that was not saved by value.
+
+    Raises:
+        CheckpointError: a malformed entry; an entry not saved by value (or restored through
+            ``load_state_dict``) while ``current`` is ``None`` or of another class; a class outside
+            halfadam that ``current`` is not an instance of.
+    """
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("__schedule__"), str):
+        raise CheckpointError(f"{where}: expected None or a saved schedule (a dict with '__schedule__'), got {entry!r}")
+    ref = entry["__schedule__"]
+    same_class = current is not None and _class_ref(type(current)) == ref
+    try:
+        if "state_dict" in entry:
+            if not same_class:
+                raise CheckpointError(
+                    f"{where}: the checkpoint's schedule is a {ref} restored through load_state_dict(); "
+                    f"build the optimizer with a schedule of that class before loading"
+                )
+            schedule = copy.deepcopy(current)
+            schedule.load_state_dict(copy.deepcopy(entry["state_dict"]))
+            return schedule
+        if "attrs" in entry:
+            if not isinstance(entry["attrs"], Mapping):
+                raise CheckpointError(f"{where}: the saved schedule's 'attrs' is not a dict")
+            cls = type(current) if same_class else _import_schedule_class(ref, where)
+            schedule = cls.__new__(cls)
+            schedule.__dict__.update(copy.deepcopy(dict(entry["attrs"])))
+            return schedule
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{where}: cannot restore the saved {ref} schedule: {exc}") from None
+    if current is None:
+        raise CheckpointError(
+            f"{where}: the checkpoint's schedule {entry.get('repr', ref)} could not be saved by value "
+            f"(a lambda or closure?); build the optimizer with the same schedule before loading"
+        )
+    return current
+
+
+# ============================================================================ optimizer state
+def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The state of a halfadam optimizer, in torch's layout (see the module docstring).
+
+    Per parameter: ``step`` (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (float32; float64 for
+    float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
+    never took a step have no entry. Per group: every hyperparameter, ``global_step`` (int) and the
+    schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
+    (or ``torch.save``) before the next step if you keep the dict. Masters are synced with their
+    parameters first (:meth:`halfadam.AdamW.sync_master_weights`). Keys that
+    ``register_state_dict_post_hook`` hooks add, or the dict such a hook returns, are kept.
+    """
+    optimizer.sync_master_weights()  # masters of parameters written since the last step take their values
+    packed = torch.optim.Optimizer.state_dict(optimizer)  # runs the state_dict pre/post hooks
+    if isinstance(packed, dict) and isinstance(packed.get("param_groups"), list):
+        packed["param_groups"] = [
+            {k: encode_schedule(v) if k in _SCHEDULE_KEYS else v for k, v in group.items()}
+            for group in packed["param_groups"]]
+    return packed
+
+
+@dataclass
+class _ParamLoad:
+    param: Tensor
+    group_index: int
+    index: int
+    values: Dict[str, Tensor]
+    step: float
+    rebuild_master: bool
+
+
+@dataclass
+class _LoadPlan:
+    groups: List[Dict[str, Any]]
+    loads: List[_ParamLoad]
+    clear: List[Tensor]
+    warnings: List[str] = field(default_factory=list)
+
+
+def _where(index: int, gi: int, j: int, p: Tensor) -> str:
+    return f"parameter {index} (param_groups[{gi}]['params'][{j}], shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _group_kind(group: Mapping[str, Any], gi: int) -> str:
+    if "global_step" in group and "decay" in group:
+        return "halfadam"
+    if "betas" in group and "eps" in group:
+        return "torch"
+    raise CheckpointError(
+        f"param_groups[{gi}] in the checkpoint is neither a halfadam group nor a torch.optim.Adam/AdamW one "
+        f"(keys {sorted(k for k in group if k != 'params')})"
+    )
+
+
+def _check_number(value: Any, where: str, *, allow_tensor: bool = True) -> float:
+    if isinstance(value, Tensor) and allow_tensor:
+        if value.numel() != 1:
+            raise CheckpointError(f"{where} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CheckpointError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def _check_step(value: Any, where: str) -> float:
+    step = _check_number(value, where)
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise CheckpointError(f"{where} must be a whole number >= 0, got {step}")
+    return step
+
+
+def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, gi: int) -> Dict[str, Any]:
+    """The group after loading: the checkpoint's hyperparameters over the current group's, validated."""
+    where = f"param_groups[{gi}]"
+    new = {k: v for k, v in current.items() if k != "params"}
+    # master_weights is structure (which parameters own an fp32 copy, how state is laid out), not a
+    # hyperparameter: the loading optimizer's setting stays, and the state must fit it.
+    saved = {k: v for k, v in saved.items() if k not in ("params", "master_weights")}
+    if kind == "torch":
+        if saved.get("amsgrad"):
+            raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam "
+                                  f"does not implement")
+        if saved.get("maximize"):
+            raise CheckpointError(f"{where}: the checkpoint was written with maximize=True, which halfadam "
+                                  f"does not implement")
+        for key in _TORCH_ONLY_GROUP_KEYS:
+            saved.pop(key, None)
+    else:
+        for key in _SCHEDULE_KEYS:
+            if key in saved:
+                saved[key] = decode_schedule(saved[key], current.get(key), f"{where}['{key}']")
+    new.update(saved)
+    try:
+        if new.get("decay") not in DECAY_MODES:
+            raise CheckpointError(f"{where}['decay'] must be one of {DECAY_MODES}, got {new.get('decay')!r}")
+        if not isinstance(new.get("optimized_update"), bool):
+            raise CheckpointError(f"{where}['optimized_update'] must be a bool, got {new.get('optimized_update')!r}")
+        gs = new.get("global_step")
+        if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 0:
+            raise CheckpointError(f"{where}['global_step'] must be an int >= 0, got {gs!r}")
+        new["betas"] = hyperparams.parse_betas(tuple(new["betas"]) if isinstance(new["betas"], list) else new["betas"],
+                                               f"{where}['betas']")
+        new["eps"] = hyperparams.parse_eps(new["eps"], f"{where}['eps']")
+        for key in ("lr", "weight_decay"):
+            value = new[key]
+            if isinstance(value, Tensor):
+                if value.numel() != 1 or not value.is_floating_point():
+                    raise CheckpointError(f"{where}['{key}'] must be a number or a 1-element float tensor")
+                hyperparams.check_value(value.item(), f"{where}['{key}']")
+            else:
+                hyperparams.check_value(_check_number(value, f"{where}['{key}']"), f"{where}['{key}']")
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    return new
+
+
+def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPlan:
+    """Check ``state_dict`` against ``optimizer`` completely; change nothing. Raises CheckpointError."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise CheckpointError("an optimizer state_dict must be a dict with 'state' and 'param_groups'")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in saved_groups):
+        raise CheckpointError("the state_dict's 'param_groups' must be a list of dicts")
+    if not isinstance(saved_state, Mapping):
+        raise CheckpointError("the state_dict's 'state' must be a dict")
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}"
+        )
+    kinds = [_group_kind(g, gi) for gi, g in enumerate(saved_groups)]
+    if len(set(kinds)) > 1:
+        raise CheckpointError("the checkpoint mixes halfadam and torch.optim parameter groups")
+    kind = kinds[0] if kinds else "halfadam"
+
+    # Saved index -> parameter, by position (as torch does).
+    slots: Dict[Any, Tuple[Tensor, int, int, int]] = {}
+    index = 0
+    for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+        ids = saved.get("params")
+        if not isinstance(ids, (list, tuple)):
+            raise CheckpointError(f"param_groups[{gi}]['params'] in the checkpoint must be a list of indices")
+        if len(ids) != len(group["params"]):
+            raise CheckpointError(
+                f"param_groups[{gi}] has {len(ids)} parameter(s) in the checkpoint, {len(group['params'])} in "
+                f"this optimizer"
+            )
+        for j, (pid, p) in enumerate(zip(ids, group["params"])):
+            if pid in slots:
+                raise CheckpointError(f"param_groups[{gi}]['params'][{j}]: index {pid!r} appears twice in the "
+                                      f"checkpoint")
+            slots[pid] = (p, gi, j, index)
+            index += 1
+    stray = [k for k in saved_state if k not in slots]
+    if stray:
+        raise CheckpointError(f"the checkpoint has state for parameter index(es) {stray[:5]} that are in no group")
+
+    new_groups = [_merge_group(g, s, kind, gi) for gi, (g, s) in enumerate(zip(groups, saved_groups))]
+
+    plan = _LoadPlan(groups=new_groups, loads=[], clear=[])
+    if kind == "torch":
+        for gi, saved in enumerate(saved_groups):
+            dwd = saved.get("decoupled_weight_decay")
+            wd = new_groups[gi]["weight_decay"]
+            wd = wd.item() if isinstance(wd, Tensor) else wd
+            if dwd is not None and wd and bool(dwd) != (new_groups[gi]["decay"] == "decoupled"):
+                plan.warnings.append(
+                    f"param_groups[{gi}]: the checkpoint decays weights "
+                    f"{'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
+                    f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
+                )
+    else:
+        for gi, (current, new) in enumerate(zip(groups, new_groups)):
+            for key in ("decay", "optimized_update"):
+                if key in current and current[key] != new[key]:
+                    plan.warnings.append(
+                        f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
+                        f"{current[key]!r} (it was written by another halfadam optimizer class?)"
+                    )
+    rebuilt = []
+    steps_per_group: Dict[int, List[float]] = {}
+    for pid, (p, gi, j, index) in slots.items():
+        where = _where(index, gi, j, p)
+        saved = saved_state.get(pid)
+        if saved is None:
+            plan.clear.append(p)
+            continue
+        if not isinstance(saved, Mapping):
+            raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
+        group = new_groups[gi]
+        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+        use_master = group["master_weights"]
+        if use_master is None:
+            use_master = p.dtype in _HALF_DTYPES
+        allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} if kind == "halfadam" else set())
+        unexpected = sorted(set(saved) - allowed)
+        if unexpected:
+            raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
+        missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
+        if missing:
+            raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
+        if "master_weight" in saved and not use_master:
+            raise CheckpointError(
+                f"{where}: the checkpoint has a master_weight but this optimizer keeps none for this parameter "
+                f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
+                f"fp32 weights with load_master_state_dict"
+            )
+        values = {}
+        for name in ("exp_avg", "exp_avg_sq", "master_weight"):
+            if name not in saved:
+                continue
+            t = saved[name]
+            if not isinstance(t, Tensor):
+                raise CheckpointError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+            if t.shape != p.shape:
+                raise CheckpointError(
+                    f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, the parameter has {tuple(p.shape)}"
+                )
+            if t.is_meta:
+                raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
+            if not t.is_floating_point():
+                raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
+            if kind == "halfadam" and t.dtype != compute:
+                raise CheckpointError(
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute} (halfadam keeps "
+                    f"its optimizer state in {compute})"
+                )
+            if kind == "torch" and torch.promote_types(t.dtype, compute) != compute:
+                raise CheckpointError(
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
+                    f"lose precision"
+                )
+            values[name] = t
+        step = _check_step(saved["step"], f"{where}: step")
+        rebuild = use_master and "master_weight" not in saved
+        if rebuild:
+            rebuilt.append(index)
+        steps_per_group.setdefault(gi, []).append(step)
+        plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild))
+
+    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most
+        for gi, steps in steps_per_group.items():
+            plan.groups[gi]["global_step"] = int(max(steps))
+    for gi, group in enumerate(plan.groups):
+        for key in _SCHEDULE_KEYS:
+            schedule = group.get(key)
+            if schedule is not None:
+                what = key.removesuffix("_schedule")
+                try:
+                    hyperparams.value_at(schedule, group["global_step"], f"param_groups[{gi}]['{what}']")
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"param_groups[{gi}]['{key}'] fails at global step {group['global_step']}: {exc}"
+                    ) from None
+    if rebuilt:
+        source = "a torch.optim checkpoint" if kind == "torch" else "a checkpoint written without master weights"
+        plan.warnings.append(
+            f"master weights rebuilt from the current parameter values for parameter(s) {rebuilt} ({source} has "
+            f"none); load the model's weights before the optimizer's"
+        )
+    return plan
+
+
+@torch.no_grad()
+def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
+    for group, new in zip(optimizer.param_groups, plan.groups):
+        params = group["params"]
+        for key in [k for k in group if k not in new]:
+            del group[key]
+        group.update(new)
+        group["params"] = params
+    for p in plan.clear:
+        optimizer.state.pop(p, None)
+    for load in plan.loads:
+        p, group = load.param, optimizer.param_groups[load.group_index]
+        state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
+        for name, value in load.values.items():
+            state[name].copy_(value)
+        if load.rebuild_master:
+            state["master_weight"].copy_(p.detach())
+        if isinstance(state.get("step"), Tensor):
+            state["step"].fill_(load.step)
+        else:
+            state["step"] = torch.tensor(load.step, dtype=torch.float32)
+    for message in plan.warnings:
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+    """Load a halfadam or ``torch.optim.Adam``/``AdamW`` state_dict into a halfadam optimizer, atomically.
+
+    From a halfadam state_dict: every hyperparameter (as torch: the checkpoint's values replace the
+    optimizer's), ``global_step`` and schedule, and per parameter ``step``, ``exp_avg``, ``exp_avg_sq``
+    and ``master_weight`` (copied into the optimizer's tensors, which keep their dtype: float32, or
+    float64 for float64 parameters; moved to the parameter's device). ``master_weights`` is not
+    loaded: it is structure (which parameters own an fp32 copy), and the checkpoint must fit the
+    loading optimizer's (a saved master for a parameter without one is an error; a parameter whose
+    master is missing from the checkpoint gets it rebuilt from its value, with a warning).
+    From a torch one: ``lr``, ``betas``, ``eps``, ``weight_decay`` and the steps and moments (upcast to
+    float32, exactly); halfadam's own group keys (schedules, ``decay``...) stay as they are, each group's
+    ``global_step`` becomes its parameters' largest step, and master weights are rebuilt from the
+    parameters (a ``UserWarning`` says so: load the model first).
+
+    Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
+
+    Raises:
+        CheckpointError (a ValueError), before anything changes: a different number of groups or of
+            parameters in a group; a missing or unexpected state key; a shape that differs from the
+            parameter's; a state tensor that is not in the optimizer's state dtype (halfadam
+            checkpoints) or would lose precision converted to it (torch ones); a master weight for a
+            parameter this optimizer keeps none for; an invalid hyperparameter, step or schedule;
+            amsgrad or maximize in a torch checkpoint.
+    """
+    state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    plan = _prepare_load(optimizer, state_dict)
+    _commit_load(optimizer, plan)
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(optimizer)
+
+
+def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's state as a ``torch.optim.AdamW`` (or ``Adam``) state_dict, to continue in torch.
+
+    Per parameter: ``step`` and float32 copies of ``exp_avg`` and ``exp_avg_sq``; master weights are
+    dropped (torch updates the parameters themselves; ``torch.optim.Optimizer.load_state_dict`` casts
+    the moments to the parameter's dtype). Per group: the learning rate and weight decay of the *next*
+    step (a schedule evaluated at ``global_step``; attach a torch lr_scheduler to go on scheduling),
+    ``betas``, ``eps``, torch's flags with their defaults and ``decoupled_weight_decay`` (``True`` for
+    decay ``"decoupled"``, so ``torch.optim.Adam`` loading it behaves as AdamW too). Other keys (e.g.
+    ``initial_lr``) are kept.
+
+    Raises:
+        ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay).
+    Warns:
+        UserWarning: a group with ``optimized_update`` (torch adds eps after bias correction).
+    """
+    packed = torch.optim.Optimizer.state_dict(optimizer)
+    halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
+    groups = []
+    for gi, (group, pg) in enumerate(zip(optimizer.param_groups, packed["param_groups"])):
+        where = f"param_groups[{gi}]"
+        values = {}
+        for key in ("lr", "weight_decay"):
+            schedule = group.get(f"{key}_schedule")
+            if schedule is not None:
+                values[key] = hyperparams.value_at(schedule, group["global_step"], f"{where}['{key}']")
+            else:
+                v = group[key]
+                values[key] = float(v.item() if isinstance(v, Tensor) else v)
+        if group["decay"] == "absolute" and values["weight_decay"] > 0:
+            raise ValueError(f"{where}: decay 'absolute' (w <- w * (1 - wd)) has no torch.optim equivalent")
+        if group["optimized_update"]:
+            warnings.warn(f"{where}: optimized_update=True has no torch.optim equivalent; torch adds eps after "
+                          f"bias correction", UserWarning, stacklevel=2)
+        tg = {k: v for k, v in pg.items() if k not in halfadam_keys and k != "params"}
+        tg.update(lr=values["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=values["weight_decay"],
+                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                  decoupled_weight_decay=group["decay"] == "decoupled", params=list(pg["params"]))
+        groups.append(tg)
+    state = {}
+    for pid, st in packed["state"].items():
+        step = st["step"]
+        state[pid] = {
+            "step": step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
+            else torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": st["exp_avg"].detach().clone(),
+            "exp_avg_sq": st["exp_avg_sq"].detach().clone(),
+        }
+    return {"state": state, "param_groups": groups}
+
+
+# ============================================================================ fp32 export
+def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> "OrderedDict[str, Tensor]":
+    """``model.state_dict()`` with the fp32 master weight in place of each parameter that has one.
+
+    Every other float16/bfloat16 entry (parameters without a master, buffers) is upcast to float32,
+    exactly; float32/float64 and non-floating entries keep their dtype. Each value is a new contiguous
+    tensor on the device it was on (tied weights are separate copies), so the dict can go to
+    ``torch.save`` or ``safetensors.torch.save_file`` directly. A parameter that has not taken a step
+    yet is exported from its current value (its master would be created from it).
+
+    Raises:
+        TypeError: ``optimizer`` is not a halfadam optimizer.
+    """
+    if not callable(getattr(optimizer, "sync_master_weights", None)):
+        raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
+    optimizer.sync_master_weights()
+    masters = {id(p): st["master_weight"] for p, st in optimizer.state.items() if "master_weight" in st}
+    source = model.state_dict(keep_vars=True)
+    out: "OrderedDict[str, Tensor]" = OrderedDict()
+    for key, value in source.items():
+        t = masters.get(id(value), value)
+        if not isinstance(t, Tensor):
+            out[key] = value
+            continue
+        t = t.detach()
+        if t.dtype in _HALF_DTYPES:
+            t = t.float()
+        out[key] = t.clone(memory_format=torch.contiguous_format)
+    metadata = getattr(source, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
