@@ -144,19 +144,53 @@ def test_model_half_after_steps_gets_a_master(dtype, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_half_to_float_after_steps_drops_the_master(impl):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3).half()
-    opt = halfadam.AdamW(model.parameters(), lr=1e-3, implementation=impl)
-    model.weight.grad, model.bias.grad = torch.ones(3, 4).half(), torch.ones(3).half()
-    opt.step()
-    model.float()
-    value = model.weight.detach().clone()
-    model.weight.grad, model.bias.grad = torch.ones(3, 4), torch.ones(3)
-    opt.step()
-    assert "master_weight" not in opt.state[model.weight]
-    # the step started from the converted value (the parameter is its own weight now)
-    assert (model.weight.detach() - (value - 1e-3)).abs().max() < 1e-5
+@pytest.mark.parametrize("new", [torch.float32, torch.float64])
+def test_half_to_float_after_steps_keeps_the_masters_value(new, impl):
+    """model.float() after half-precision steps: the parameter becomes its master (the fp32 weight it
+    would have been from the start), the master is dropped, and training follows torch on fp32."""
+    half, opt, ref, ref_opt = _pair(torch.bfloat16, impl)
+    for k in range(3):
+        _step(half, opt, ref, ref_opt, k)
+    masters = [opt.master_weight(p).clone() for p in half.parameters()]
+    half.to(new)
+    with torch.no_grad():
+        half.bias[0] = 0.5  # one element written after the conversion keeps its value
+        ref.bias[0] = 0.5
+    _step(half, opt, ref, ref_opt, 3)
+    for p, q, m in zip(half.parameters(), ref.parameters(), masters):
+        assert "master_weight" not in opt.state[p] and opt.state[p]["exp_avg"].dtype == _compute(new)
+        assert _rel(p.detach(), q.detach()) <= 1e-6
+    assert not torch.equal(masters[0], masters[0].bfloat16().float())  # the masters had bits bf16 lacks
+
+
+def _compute(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("old, new", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_half_to_other_half_keeps_the_whole_master(old, new, impl):
+    """bf16 -> fp16 (or back) after steps: the master is kept whole and the parameter becomes it,
+    rounded to the new dtype; an element written after the conversion is adopted."""
+    half, opt, ref, ref_opt = _pair(old, impl)
+    for k in range(3):
+        _step(half, opt, ref, ref_opt, k)
+    masters = [opt.master_weight(p).clone() for p in half.parameters()]
+    half.to(new)
+    with torch.no_grad():
+        half.weight[0, 0] = 0.25
+        ref.weight[0, 0] = 0.25
+    opt.sync_master_weights()
+    for p, m in zip(half.parameters(), masters):
+        master = opt.state[p]["master_weight"]
+        written = torch.zeros_like(m, dtype=torch.bool)
+        if p is half.weight:
+            written[0, 0] = True
+        assert torch.equal(master[~written], m[~written])
+        assert torch.equal(p.detach(), master.to(new))
+    _step(half, opt, ref, ref_opt, 3)
+    for p, q in zip(half.parameters(), ref.parameters()):
+        assert _rel(opt.master_weight(p), q.detach()) <= 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -372,3 +406,21 @@ def test_group_added_later_shows_its_coming_steps_lr():
     opt.step(grads={a: torch.ones(2), b: torch.ones(2)})
     assert (before - b.detach())[0].item() == pytest.approx(0.3, rel=1e-6)  # Adam's first step moves by lr
     assert opt.param_groups[1]["lr"] == pytest.approx(0.4)
+
+
+def test_a_group_value_written_by_hand_is_checked_at_the_step():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([p])
+    opt.param_groups[0]["lr"] = "abc"
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['lr'\] must be a number"):
+        opt.step(grads={p: torch.ones(2)})
+    assert opt.param_groups[0]["global_step"] == 0 and not opt.state[p]
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(device="tpu"), ValueError, "device must be"),
+    (dict(enabled="yes"), TypeError, "enabled must be True or False"),
+])
+def test_scaler_device_and_enabled_are_checked(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        halfadam.GradScaler(**kw)

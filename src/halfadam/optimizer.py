@@ -8,6 +8,7 @@ decay enters.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -69,6 +70,7 @@ class _AdamBase(torch.optim.Optimizer):
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         self.implementation = implementation
         self._layouts: Dict[int, "_GroupLayout"] = {}
+        self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
         self._override_warned = False
         if master_weights is not None and not isinstance(master_weights, bool):
@@ -113,6 +115,7 @@ class _AdamBase(torch.optim.Optimizer):
         self.implementation = state.pop("implementation", "auto")
         self._order_params = state.pop("_order_params", None)
         self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
+        self._dtypes = {}
         self._written, self._override_warned = {}, False
         super().__setstate__(state)
 
@@ -197,30 +200,40 @@ class _AdamBase(torch.optim.Optimizer):
         return param.dtype in _HALF_DTYPES if use_master is None else use_master
 
     def _state_fits(self, param: Tensor, state: dict, group: Dict[str, Any]) -> bool:
-        """Whether ``state`` was made for ``param`` as it is now (device, dtype, master setting)."""
+        """Whether ``state`` was made for ``param`` as it is now (dtype, device, master setting)."""
         ea = state.get("exp_avg")
         return (ea is not None and ea.device == param.device and ea.dtype == _compute_dtype(param)
+                and self._dtypes.get(id(param), param.dtype) == param.dtype
                 and ("master_weight" in state) == self._use_master(param, group))
 
+    @torch.no_grad()
     def _conform_state(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
         """Give ``state`` the form it would have had if ``param`` had always had its current dtype and device.
 
-        After ``model.half()``, ``.bfloat16()``, ``.float()``, ``.to(device)`` between steps: the moments
-        are moved and kept in the compute dtype (float32; float64 for float64 parameters); a parameter
-        that now keeps a master weight gets one from its current value (or its old master, moved,
-        which the master-sync rule then reconciles with the value); one that keeps none any more drops
-        it (its value is the weight). The step count stays. New tensors are made, never views into a
-        previous bucket.
+        After ``model.half()``, ``.bfloat16()``, ``.float()``, ``.to(device)`` between steps. The fp32
+        master trajectory does not depend on the parameter's dtype, so a master is kept (moved) and
+        the elements the user left alone follow it: where the parameter equals its master rounded
+        to the old dtype and converted (nobody wrote it), it becomes the master rounded to the new
+        dtype (to float32 or float64: the master itself, which is then dropped: the parameter is its
+        own weight); elements written since keep their value (the master-sync rule then adopts
+        them). A parameter that gets a master and had none (float32 -> half) gets one from its
+        value. The moments are moved and kept in the compute dtype; the step count stays. New
+        tensors are made, never views into a previous bucket.
         """
         compute = _compute_dtype(param)
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = state[key].to(device=param.device, dtype=compute, copy=True)
+        master = state.pop("master_weight", None)
+        old_dtype = self._dtypes.get(id(param), param.dtype)
+        if master is not None:
+            master = master.to(device=param.device, dtype=compute, copy=True)
+            if old_dtype != param.dtype:
+                p, m = local(param), local(master)
+                unwritten = p == m.to(old_dtype).to(p.dtype)
+                p.copy_(torch.where(unwritten, m.to(p.dtype), p))
         if self._use_master(param, group):
-            old = state.get("master_weight")
-            source = param.detach() if old is None else old
-            state["master_weight"] = source.to(device=param.device, dtype=compute, copy=True)
-        else:
-            state.pop("master_weight", None)
+            state["master_weight"] = master if master is not None else param.detach().to(compute, copy=True)
+        self._dtypes[id(param)] = param.dtype
 
     def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
         """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device."""
@@ -248,10 +261,12 @@ class _AdamBase(torch.optim.Optimizer):
             if loc is not None:
                 if not state or not loc[0].is_attached(state, loc[1]):
                     loc[0].attach(state, loc[1])
+                    self._dtypes[id(param)] = param.dtype
                 continue
             if state:
                 continue
             compute_dtype = _compute_dtype(param)
+            self._dtypes[id(param)] = param.dtype
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if self._use_master(param, group):
                 state["master_weight"] = param.detach().to(compute_dtype, copy=True)
@@ -283,6 +298,7 @@ class _AdamBase(torch.optim.Optimizer):
             loc = layout.where.get(id(p))
             if loc is not None:
                 loc[0].attach(state, loc[1])
+                self._dtypes[id(p)] = p.dtype
         return layout
 
     @torch.compiler.disable
@@ -550,7 +566,12 @@ def _resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
     if schedule is not None:
         return hyperparams.value_at(schedule, step, f"{where}['{key}']")
     value = group[key]  # a number, or a tensor set by the user or a torch lr_scheduler
-    return hyperparams.check_value(value.item() if isinstance(value, Tensor) else value, f"{where}['{key}']")
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}['{key}'] must be a number (or a 1-element tensor), got "
+                        f"{type(value).__name__}: {value!r}")
+    return hyperparams.check_value(value, f"{where}['{key}']")
 
 
 #: Group keys beyond the hyperparameters: metadata that torch and its schedulers write into groups.

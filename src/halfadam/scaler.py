@@ -203,8 +203,13 @@ class GradScaler:
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
         self._max_grad_norm = max_grad_norm
-        self._device = None if device is None else torch.device(device)
-        self._enabled = bool(enabled)
+        try:
+            self._device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be None, 'cpu', 'cuda' or a torch.device, got {device!r} ({exc})") from None
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be True or False, got {enabled!r}")
+        self._enabled = enabled
         self._process_group = process_group
         #: The global gradient norm (unscaled, before clipping) of the last :meth:`step` that clipped
         #: through ``max_grad_norm``, a 0-d float32 tensor; ``None`` before.
