@@ -19,7 +19,7 @@ from torch import Tensor
 from . import hyperparams
 from . import state_dict as _state_dict
 from ._dtensor import local, localize
-from .buckets import Bucket, build_buckets
+from .buckets import Bucket, bucket_key, build_buckets
 from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
 from .functional import DECAY_MODES, sync_master_
 
@@ -273,21 +273,23 @@ class _AdamBase(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
 
-    def _group_layout(self, group: Dict[str, Any]) -> "_GroupLayout":
-        """The buckets of ``group``, (re)built when the group, its parameters (identity, dtype, device,
-        ``requires_grad``) or ``self.state`` changed.
+    def _group_layout(self, group: Dict[str, Any], rebuild: bool = False) -> "_GroupLayout":
+        """The buckets of ``group``, (re)built when the group, its parameters or ``self.state`` changed,
+        or when ``rebuild`` (a parameter's dtype, device or ``requires_grad`` changed: see
+        :meth:`_run_group`).
 
         On a rebuild, parameters that already have state (e.g. after ``load_state_dict`` replaced
         ``self.state``, or after ``model.half()``) are conformed to their parameter and attached to
         the new buffers with their values; state left outside every bucket gets its own tensors.
         """
         layout = self._layouts.get(id(group))
-        key = [(id(p), p.dtype, p.device, p.requires_grad) for p in group["params"]]
-        if layout is not None and layout.group is group and layout.state is self.state and layout.key == key:
+        ids = [id(p) for p in group["params"]]  # ints: cheap to build and compare every step
+        if (not rebuild and layout is not None and layout.group is group and layout.state is self.state
+                and layout.ids == ids):
             return layout
         params = group["params"]
         buckets = build_buckets(params, [self._use_master(p, group) for p in params])
-        layout = _GroupLayout(group, self.state, key, buckets)
+        layout = _GroupLayout(group, self.state, ids, buckets)
         self._layouts[id(group)] = layout
         for p in params:
             state = self.state.get(p)
@@ -313,35 +315,55 @@ class _AdamBase(torch.optim.Optimizer):
         update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
         """
         layout = None if self.implementation == "reference" else self._group_layout(group)
-        where = {} if layout is None else layout.where
-        self._init_group_state(group, [p for p, _ in pairs if not self.state[p] or (
-            id(p) not in where and not self._state_fits(p, self.state[p], group))])
-        if layout is None:
-            reference_step(*localize(pairs, self.state), hp, grad_scale)
-            return
-        per_bucket: Dict[int, List[Tuple[int, Tensor, Tensor]]] = {}
-        rest = []
-        for p, g in pairs:
-            loc = where.get(id(p))
-            if loc is None:
-                rest.append((p, g))
-            else:
-                per_bucket.setdefault(id(loc[0]), []).append((loc[1], p, g))
-        for bucket in layout.buckets:
+        sorted_pairs = self._sort_pairs(group, pairs, layout)
+        if sorted_pairs is None:  # a parameter changed dtype, device or requires_grad since the layout was built
+            layout = self._group_layout(group, rebuild=True)
+            sorted_pairs = self._sort_pairs(group, pairs, layout)
+        per_bucket, rest, new = sorted_pairs
+        self._init_group_state(group, new)
+        for bucket in () if layout is None else layout.buckets:
             items = per_bucket.get(id(bucket))
             if not items:
                 continue
             items.sort(key=lambda item: item[0])
-            index = [i for i, _, _ in items]
-            steps = bucket.steps if len(index) == len(bucket.params) else bucket.steps[index]
+            steps = bucket.steps if len(items) == len(bucket.params) else bucket.steps[[i for i, _ in items]]
             # One step count: one flat step. Otherwise (step counts that diverged) the reference path,
             # on the same state views, so that state["step"] keeps torch's per-parameter meaning.
             if bool((steps == steps[0]).all()):
-                flat_step(bucket, [(i, g) for i, _, g in items], hp, self.implementation, grad_scale)
+                flat_step(bucket, items, hp, self.implementation, grad_scale)
             else:
-                rest.extend((p, g) for _, p, g in items)
+                rest.extend((bucket.params[i], g) for i, g in items)
         if rest:
             reference_step(*localize(rest, self.state), hp, grad_scale)
+
+    def _sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
+                    layout: Optional["_GroupLayout"]) -> Optional[tuple]:
+        """One pass over a step's ``(param, grad)`` pairs: ``(per_bucket, rest, new)``.
+
+        ``per_bucket``: id(bucket) -> ``(index in the bucket, grad)`` pairs; ``rest``: the pairs of
+        parameters outside every bucket; ``new``: the parameters whose state must be made (or
+        conformed to a new dtype/device). ``None`` when the layout no longer fits a parameter (its
+        dtype or device changed, or it was unfrozen or converted into a bucket's kind).
+        """
+        per_bucket: Dict[int, List[Tuple[int, Tensor]]] = {}
+        rest, new = [], []
+        where = {} if layout is None else layout.where
+        for p, g in pairs:
+            state = self.state[p]
+            loc = where.get(id(p))
+            if loc is None:
+                if layout is not None and bucket_key(p, self._use_master(p, group)) is not None:
+                    return None
+                rest.append((p, g))
+                if not state or not self._state_fits(p, state, group):
+                    new.append(p)
+            elif p.dtype is not loc[0].dtype or p.device != loc[0].device:
+                return None
+            else:
+                if not state:
+                    new.append(p)
+                per_bucket.setdefault(id(loc[0]), []).append((loc[1], g))
+        return per_bucket, rest, new
 
     def master_weight(self, param: Tensor) -> Tensor:
         """The fp32 tensor this optimizer updates for ``param``, in sync with the parameter.
@@ -639,7 +661,7 @@ def _check_param(p: Any, where: str) -> None:
 
 def _check_writable(p: Tensor, where: str) -> None:
     """A parameter whose elements share memory (an ``expand``-ed tensor: stride 0) cannot be updated in place."""
-    if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+    if not p.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
         raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {p.stride()}) has elements that share memory "
                          f"(an expand()-ed tensor?); it cannot be updated in place: pass a contiguous copy")
 
@@ -863,9 +885,9 @@ class AdamFP16(_AdamBase):
 
 
 class _GroupLayout:
-    """A group's buckets and where each parameter sits in them (valid while group, state and ``key``, the
-    parameters' identities, dtypes, devices and ``requires_grad``, stay)."""
+    """A group's buckets and where each parameter sits in them (valid while group, state and the
+    parameters' identities ``ids`` stay, and each parameter is :meth:`_AdamBase._in_place`)."""
 
-    def __init__(self, group: Dict[str, Any], state: Any, key: list, buckets: List[Bucket]):
-        self.group, self.state, self.key, self.buckets = group, state, key, buckets
+    def __init__(self, group: Dict[str, Any], state: Any, ids: List[int], buckets: List[Bucket]):
+        self.group, self.state, self.ids, self.buckets = group, state, ids, buckets
         self.where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
