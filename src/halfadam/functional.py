@@ -217,7 +217,10 @@ def sync_master_(master: Tensor, param: Tensor) -> None:
     ``emulate_precision_casts=True`` for this (:mod:`halfadam.executions`); comparing bit patterns
     instead is also exact but made Inductor's CPU kernel 5x slower.
     """
-    master.copy_(torch.where(param != master.to(param.dtype), param.to(master.dtype), master))
+    stale = param != master.to(param.dtype)
+    if not torch.compiler.is_compiling() and not bool(stale.any()):
+        return  # eager, nothing written (the usual case): skip the rewrite's three passes
+    master.copy_(torch.where(stale, param.to(master.dtype), master))
 
 
 def _sqrt(x: Scalar) -> Scalar:
