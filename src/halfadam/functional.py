@@ -215,11 +215,12 @@ def sync_master_(master: Tensor, param: Tensor) -> None:
     ``master.to(param.dtype)`` and compares against the unrounded master (every element then looks
     written, and the master loses its extra bits each step). The fused kernel is compiled with
     ``emulate_precision_casts=True`` for this (:mod:`halfadam.executions`); comparing bit patterns
-    instead is also exact but made Inductor's CPU kernel 5x slower.
+    instead is also exact but made Inductor's CPU kernel 5x slower. Eagerly on the CPU the master
+    is rewritten only when some element differs (a GPU would have to synchronise to know).
     """
     stale = param != master.to(param.dtype)
-    if not torch.compiler.is_compiling() and not bool(stale.any()):
-        return  # eager, nothing written (the usual case): skip the rewrite's three passes
+    if not torch.compiler.is_compiling() and master.device.type == "cpu" and not bool(stale.any()):
+        return  # eager on the CPU, nothing written (the usual case): skip the rewrite's three passes
     master.copy_(torch.where(stale, param.to(master.dtype), master))
 
 
