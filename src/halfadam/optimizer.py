@@ -147,13 +147,8 @@ class _AdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{where}['params'] mixes (name, parameter) pairs and bare parameters")
             group["param_names"] = [name for name, _ in params]
             params = [p for _, p in params]
-        seen: Dict[int, int] = {}
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
-            if id(p) in seen:
-                raise ValueError(f"{where}['params'][{j}] is the same tensor as {where}['params'][{seen[id(p)]}]: "
-                                 f"each parameter may appear once (it would be updated twice per step)")
-            seen[id(p)] = j
         group["params"] = params
         # A group that already holds "<key>_schedule" is in stored form (normalized before).
         if "lr" in group and "lr_schedule" not in group:
@@ -379,11 +374,9 @@ class _AdamBase(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                state = self._init_state(param, group)
-                if "master_weight" in state:
-                    with torch.no_grad():
-                        sync_master_(local(state["master_weight"]), local(param))
-                    return state["master_weight"]
+                master = self._synced_master(param, group)
+                if master is not None:
+                    return master
                 if param.dtype in _HALF_DTYPES:
                     raise ValueError(f"master weights are off for this {param.dtype} parameter: it has no fp32 copy")
                 return param
@@ -407,9 +400,15 @@ class _AdamBase(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):
-                    master = self._init_state(p, group).get("master_weight")
-                    if master is not None:
-                        sync_master_(local(master), local(p))
+                    self._synced_master(p, group)
+
+    @torch.no_grad()
+    def _synced_master(self, param: Tensor, group: Dict[str, Any]) -> Optional[Tensor]:
+        """``param``'s master weight (state made or conformed first), synced with it; ``None`` if it has none."""
+        master = self._init_state(param, group).get("master_weight")
+        if master is not None:
+            sync_master_(local(master), local(param))
+        return master
 
     # ------------------------------------------------------------------ checkpoints
     # The work is in halfadam.state_dict; these methods only delegate to it.
@@ -479,8 +478,9 @@ class _AdamBase(torch.optim.Optimizer):
                 loss = closure()
 
         # Everything is checked before anything changes: a failing call leaves the optimizer as it was.
-        if grads is not None:
-            _check_grads_keys(grads, self.param_groups)
+        if grads is not None and not isinstance(grads, Mapping):
+            raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
+        matched = 0  # keys of grads that are this optimizer's parameters
         if grad_scale is not None and not (isinstance(grad_scale, Tensor) and grad_scale.numel() == 1
                                            and grad_scale.is_floating_point()):
             raise TypeError(f"grad_scale must be None or a 1-element floating tensor, got {grad_scale!r}")
@@ -496,13 +496,20 @@ class _AdamBase(torch.optim.Optimizer):
                      if group.get(f"{key}_schedule") is not None}
             pairs = []
             for j, p in enumerate(group["params"]):
-                g = p.grad if grads is None else grads.get(p)
+                if grads is None:
+                    g = p.grad
+                elif p in grads:
+                    g, matched = grads[p], matched + 1
+                else:
+                    continue
                 if g is None:
                     continue
                 _check_grad(g, p, f"gradient of {where}['params'][{j}]")
                 _check_writable(p, f"{where}['params'][{j}]")
                 pairs.append((p, g))
             plan.append((group, lr, weight_decay, after, pairs))
+        if grads is not None and matched != len(grads):
+            _raise_foreign_key(grads, self.param_groups)
 
         for group, lr, weight_decay, after, pairs in plan:
             if pairs:
@@ -561,10 +568,8 @@ def _peek(group: Dict[str, Any], key: str, step: int) -> Optional[float]:
         return None
 
 
-def _check_grads_keys(grads: Any, groups: List[Dict[str, Any]]) -> None:
-    """``step(grads=...)``: a mapping whose keys are this optimizer's parameters themselves."""
-    if not isinstance(grads, Mapping):
-        raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
+def _raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
+    """``step(grads=...)`` holds a key that is not one of this optimizer's parameters: name it."""
     known = {id(p) for g in groups for p in g["params"]}
     for key in grads:
         if id(key) not in known:
@@ -636,14 +641,15 @@ def _check_group_keys(group: Dict[str, Any], where: str) -> None:
 
 
 def _check_disjoint(groups: List[Dict[str, Any]]) -> None:
-    """Each parameter in at most one group (ValueError naming both places otherwise)."""
+    """Each parameter once: in one group, once in it (ValueError naming both places otherwise)."""
     seen: Dict[int, str] = {}
     for gi, g in enumerate(groups):
         for j, p in enumerate(g["params"]):
             here = f"param_groups[{gi}]['params'][{j}]"
             if id(p) in seen:
-                raise ValueError(f"{here} is the same tensor as {seen[id(p)]}: a parameter may not be in more than "
-                                 f"one parameter group")
+                raise ValueError(f"{here} is the same tensor as {seen[id(p)]}: a parameter may appear once, not "
+                                 f"twice in a group nor in more than one parameter group (it would be updated "
+                                 f"twice per step)")
             seen[id(p)] = here
 
 

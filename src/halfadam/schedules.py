@@ -824,19 +824,9 @@ class ScheduleLR(LRScheduler):
         return self.get_lr()
 
     def _followed_lr(self) -> list[Any]:
-        from . import hyperparams
-
-        values: list[Any] = []
-        for group in self.optimizer.param_groups:
-            value = group["lr"]
-            schedule = group.get("lr_schedule")
-            if schedule is not None:
-                try:
-                    value = hyperparams.value_at(schedule, group["global_step"], "lr")
-                except Exception:  # the optimizer's next step reports it; show what the group shows
-                    pass
-            values.append(value.clone() if isinstance(value, Tensor) else value)
-        return values
+        # A halfadam optimizer keeps each group's "lr" at its coming step's value (its schedule at
+        # the group's global_step), so following it is reading it.
+        return [g["lr"].clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in self.optimizer.param_groups]
 
     def step(self, epoch: int | None = None) -> None:
         """Advance ``last_epoch``; set the learning rates from the schedule (follow mode: only record
