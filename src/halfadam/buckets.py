@@ -1,9 +1,9 @@
-"""Flat fp32 storage for the optimizer state, and the per-parameter views on top of it.
+"""Flat storage for the optimizer state, and the per-parameter views on top of it.
 
 A :class:`Bucket` holds the parameters of one parameter group that share a device, a dtype and a
 master-weight setting, in the group's order (which is ``order_params`` order when given). Their
-master weights (when on), ``exp_avg``, ``exp_avg_sq`` and ``step`` counts live in contiguous
-buffers, laid out parameter after parameter, and each parameter's ``optimizer.state[param]``
+state (in the optimizer's :class:`halfadam.encodings.StateFormat`) and ``step`` counts live in
+contiguous buffers, laid out parameter after parameter, and each parameter's ``optimizer.state[param]``
 entries are views into them: a kernel sees one buffer per quantity, while ``state_dict``,
 checkpoints and user code see ordinary per-parameter tensors of the usual shapes and dtypes.
 
@@ -21,7 +21,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import encodings
 from ._dtensor import is_dtensor
+from .encodings import BLOCK, StateFormat
 
 __all__ = ["Bucket", "bucket_key", "build_buckets"]
 
@@ -41,35 +43,42 @@ def bucket_key(param: Tensor, use_master: bool) -> Optional[Tuple[torch.device, 
 
 
 class Bucket:
-    """Flat fp32 buffers for a list of parameters (one group, device, dtype, master setting).
+    """Flat buffers for a list of parameters (one group, device, dtype, master setting), in a state format.
 
     Attributes:
         params: the parameters, in layout order.
-        numels, offsets: element counts and start offsets of each parameter in the flat buffers.
-        master: flat float32 master weights, or ``None`` (float32 parameters without master weights:
-            the parameter itself is the weight).
-        exp_avg, exp_avg_sq: flat float32 moments.
+        numels, offsets: element counts and start offsets of each parameter in the flat buffers; with
+            a blocked format (:attr:`halfadam.encodings.StateFormat.blocked`) each parameter starts at
+            a multiple of ``BLOCK`` and ``sizes`` (its numel rounded up) leaves zero padding after it.
+        flat: the state's flat buffers by key (:func:`halfadam.encodings.element_keys`, ``numel``
+            long; :func:`~halfadam.encodings.block_keys`, ``numel / BLOCK`` long). Without a master
+            (float32 parameters) the parameter itself is the weight.
         steps: float32 tensor of ``len(params)`` step counts; ``state[p]["step"]`` is a 0-d view.
         out: flat buffer of the parameters' dtype the kernel writes the new values of small
             parameters into (then copied into the parameters, whose storage is never changed);
             allocated on first use (large parameters are written directly).
     """
 
-    def __init__(self, params: List[Tensor], use_master: bool):
+    def __init__(self, params: List[Tensor], use_master: bool, fmt: StateFormat = StateFormat()):
         self.params = list(params)
         self.device = params[0].device
         self.dtype = params[0].dtype
+        self.format = encodings.for_param(fmt, params[0], use_master)
+        self.has_master = bool(use_master)
         self.numels = [p.numel() for p in params]
+        align = BLOCK if self.format.blocked else 1
+        self.sizes = [-(-n // align) * align for n in self.numels]
         self.offsets = []
         total = 0
-        for n in self.numels:
+        for n in self.sizes:
             self.offsets.append(total)
             total += n
         self.numel = total
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.master = torch.empty(total, **f32) if use_master else None
-        self.exp_avg = torch.zeros(total, **f32)
-        self.exp_avg_sq = torch.zeros(total, **f32)
+        on = dict(device=self.device)
+        self.flat: Dict[str, Tensor] = {
+            key: torch.zeros(total, dtype=dt, **on) for key, dt in encodings.element_keys(self.format, self.has_master).items()}
+        self.flat.update({key: torch.zeros(total // BLOCK, dtype=dt, **on)
+                          for key, dt in encodings.block_keys(self.format, self.has_master).items()})
         self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
@@ -78,7 +87,7 @@ class Bucket:
     @property
     def out(self) -> Tensor:
         if self._out is None:
-            self._out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         return self._out
 
     def scratch_buffers(self) -> List[Tensor]:
@@ -86,22 +95,31 @@ class Bucket:
         return list(self._grad_buffers.values()) + ([] if self._out is None else [self._out])
 
     def view(self, flat: Tensor, i: int) -> Tensor:
-        """Parameter ``i``'s view of a flat buffer, in the parameter's shape."""
+        """Parameter ``i``'s view of a flat per-element buffer, in the parameter's shape."""
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
 
+    def block_view(self, flat: Tensor, i: int) -> Tensor:
+        """Parameter ``i``'s view of a flat per-block buffer (1-D, ``ceil(numel / BLOCK)`` long)."""
+        return flat[self.offsets[i] // BLOCK:(self.offsets[i] + self.sizes[i]) // BLOCK]
+
     def views(self, flat: Tensor) -> List[Tensor]:
-        """Every parameter's view of ``flat`` (one of this bucket's buffers; cached)."""
+        """Every parameter's view of ``flat`` (one of this bucket's per-element buffers; cached)."""
         cached = self._views.get(id(flat))
         if cached is None:
             cached = self._views[id(flat)] = [self.view(flat, i) for i in range(len(self.params))]
         return cached
 
+    def segment(self, a: int, b: int) -> Dict[str, Tensor]:
+        """The flat buffers' slices for elements ``a:b`` (multiples of BLOCK when blocked)."""
+        block_keys = encodings.block_keys(self.format, self.has_master)
+        return {k: t[a // BLOCK:b // BLOCK] if k in block_keys else t[a:b] for k, t in self.flat.items()}
+
     def attach(self, state: dict, i: int) -> None:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
 
         Values already present in ``state`` (for example loaded by ``load_state_dict``) are copied
-        into the buffers first; missing ones are initialised (master from the parameter, zero moments
-        and step).
+        into the buffers first; missing ones are initialised (master from the parameter, zero moments,
+        remainders and step).
         """
         param = self.params[i]
         if "step" in state:
@@ -109,14 +127,13 @@ class Bucket:
         else:
             self.steps[i].zero_()
         state["step"] = self.steps[i]
-        if self.master is not None:
-            mw = self.view(self.master, i)
-            mw.copy_(state["master_weight"] if "master_weight" in state else param.detach())
-            state["master_weight"] = mw
-        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            v = self.view(flat, i)
+        block_keys = encodings.block_keys(self.format, self.has_master)
+        for key, flat in self.flat.items():
+            v = self.block_view(flat, i) if key in block_keys else self.view(flat, i)
             if key in state:
                 v.copy_(state[key])
+            elif key == "master_weight":
+                v.copy_(param.detach())
             else:
                 v.zero_()
             state[key] = v
@@ -126,22 +143,22 @@ class Bucket:
         st = state.get("step")
         if st is None or st.data_ptr() != self.steps[i].data_ptr():
             return False
-        ea = state.get("exp_avg")
-        return ea is not None and ea.data_ptr() == self.exp_avg.data_ptr() + 4 * self.offsets[i]
+        ea, flat = state.get("exp_avg"), self.flat["exp_avg"]
+        return ea is not None and ea.data_ptr() == flat.data_ptr() + flat.element_size() * self.offsets[i]
 
     def grad_buffer(self, dtype: torch.dtype) -> Tensor:
-        """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients."""
+        """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients (padding stays zero)."""
         buf = self._grad_buffers.get(dtype)
         if buf is None:
-            buf = self._grad_buffers[dtype] = torch.empty(self.numel, dtype=dtype, device=self.device)
+            buf = self._grad_buffers[dtype] = torch.zeros(self.numel, dtype=dtype, device=self.device)
         return buf
 
 
-def build_buckets(params: List[Tensor], use_master: List[bool]) -> List[Bucket]:
+def build_buckets(params: List[Tensor], use_master: List[bool], fmt: StateFormat = StateFormat()) -> List[Bucket]:
     """Split ``params`` (in order) into buckets by :func:`bucket_key`, keeping their order."""
     groups: Dict[tuple, List[Tensor]] = {}
     for p, m in zip(params, use_master):
         key = bucket_key(p, m)
         if key is not None:
             groups.setdefault(key, []).append(p)
-    return [Bucket(ps, key[2]) for key, ps in groups.items()]
+    return [Bucket(ps, key[2], fmt) for key, ps in groups.items()]

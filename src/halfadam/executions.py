@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .buckets import Bucket
-from .functional import adam_coefficients, adam_elementwise_, adam_update_, sync_master_
+from .encodings import BLOCK, StateFormat, encoded_update_, for_param, update_param_
+from .functional import adam_coefficients, adam_update_, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
 
@@ -48,13 +49,15 @@ class Hyperparameters:
 
 
 def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
-                   grad_scale: Optional[Tensor] = None) -> None:
+                   grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat()) -> None:
     """The readable definition: one :func:`adam_update_` call per parameter.
 
     For a parameter with a master weight the update runs on ``state["master_weight"]`` and the result
     is copied into the parameter; for a float32 (or float64) parameter without one it runs on the
     parameter itself; for a half-precision parameter whose master weights are off it runs on a
     temporary fp32 copy (the "fp32 compute, no master" baseline, which loses updates below half an ulp).
+    With an encoded state (``fmt`` other than fp32) each parameter's state is decoded, updated by the
+    same equations and encoded back (:func:`halfadam.encodings.update_param_`).
     """
     if grad_scale is not None:
         grad_scale = grad_scale.to(dtype=torch.float32).reshape(())
@@ -63,6 +66,15 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
             grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
         st["step"] += 1
+        pfmt = for_param(fmt, param, "master_weight" in st or "master_low" in st)
+        if not pfmt.is_fp32:
+            step = st["step"].item()
+            coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                              weight_decay=hp.weight_decay, decay=hp.decay,
+                                              optimized_update=hp.optimized_update)
+            update_param_(pfmt, param, st, grad, coefficients, int(step), decay=hp.decay,
+                          optimized_update=hp.optimized_update)
+            continue
         master = st.get("master_weight")
         compute_dtype = st["exp_avg"].dtype
         if master is not None:
@@ -87,25 +99,24 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 
 
 # ---------------------------------------------------------------------------------------- flat paths
-def _flat_kernel(weight: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, out: Optional[Tensor],
-                 coefficients: Tuple[Tensor, ...], grad_scale: Optional[Tensor], decay: str,
-                 optimized_update: bool) -> None:
-    """One bucket's update over flat buffers: master sync, unscale, :func:`adam_elementwise_`, write back.
+def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor], coefficients: Tuple[Tensor, ...],
+                 seed: Tensor, grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
+                 exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
+    """One bucket segment's update over flat buffers: unscale, then :func:`halfadam.encodings.encoded_update_`
+    (decode the state, master sync, :func:`adam_elementwise_`, encode, write the parameter back).
 
-    ``weight`` (float32, updated in place) is the flat master buffer, or the flat copy of float32
-    parameters; ``grad`` is the flat gradient in any float dtype; ``out`` (or ``None``) holds the
-    parameters' current values (read first, for :func:`sync_master_`) and receives the new weights
-    rounded to the parameters' dtype. Every changing value is a 0-d tensor, so the compiled form is
-    reused for any learning rate, weight decay, step or loss scale.
+    ``stored`` holds the segment's state buffers by key (and ``"weight"``, the float32 weight updated
+    in place, when there is no master); ``grad`` is the flat gradient in any float dtype; ``param``
+    (or ``None``) holds the parameters' current values (read first, for the master sync) and receives
+    the new weights rounded to the parameters' dtype. Every changing value is a 0-d tensor (the
+    coefficients, ``seed``: the step as int64, the loss scale), so the compiled form is reused for
+    any learning rate, weight decay, step or loss scale.
     """
-    if out is not None:
-        sync_master_(weight, out)
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
-    adam_elementwise_(weight, g, exp_avg, exp_avg_sq, *coefficients, decay=decay, optimized_update=optimized_update)
-    if out is not None:
-        out.copy_(weight)
+    encoded_update_(stored, param, g, coefficients, seed, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                    decay=decay, optimized_update=optimized_update)
 
 
 _compiled_kernels: Dict[tuple, object] = {}
@@ -145,10 +156,10 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     global _compile_failed
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
-            weight, grad, _, _, out = args[:5]
-            key = (weight.device.type, grad.dtype, None if out is None else out.dtype, args[6] is None,
-                   tuple(sorted(kwargs.items())))
-            for t in args[:5]:
+            stored, grad, param = args[:3]
+            key = (grad.device.type, grad.dtype, None if param is None else param.dtype, args[5] is None,
+                   tuple(sorted(stored)), tuple(sorted(kwargs.items())))
+            for t in [*stored.values(), grad, param]:
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             _get_compiled(key)(*args, **kwargs)
@@ -171,13 +182,14 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
 EAGER_CHUNK = 1 << 16
 
 
-def _eager_chunks(weight, grad, exp_avg, exp_avg_sq, out, *rest, **kwargs) -> None:
+def _eager_chunks(stored, grad, param, *rest, **kwargs) -> None:
     """:func:`_flat_kernel` run eagerly, chunk by chunk over the flat buffers (the foreach path)."""
-    n = weight.numel()
-    chunk = EAGER_CHUNK if weight.device.type == "cpu" else max(n, 1)
+    n = grad.numel()
+    chunk = EAGER_CHUNK if grad.device.type == "cpu" else max(n, 1)
     for start in range(0, n, chunk):
-        s = slice(start, min(start + chunk, n))
-        _flat_kernel(weight[s], grad[s], exp_avg[s], exp_avg_sq[s], None if out is None else out[s], *rest, **kwargs)
+        end = min(start + chunk, n)
+        piece = {k: t[start // BLOCK:end // BLOCK] if t.numel() != n else t[start:end] for k, t in stored.items()}
+        _flat_kernel(piece, grad[start:end], None if param is None else param[start:end], *rest, **kwargs)
 
 
 def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters, implementation: str,
@@ -198,23 +210,26 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     else:
         bucket.steps[[i for i, _ in items]] += 1
     f64 = dict(dtype=torch.float64, device=device)
+    step = bucket.steps[items[0][0]]
     coefficients = adam_coefficients(
-        step=bucket.steps[items[0][0]].to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
+        step=step.to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
         eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
         optimized_update=hp.optimized_update)
+    seed = step.to(device=device, dtype=torch.int64)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
-    rest = dict(decay=hp.decay, optimized_update=hp.optimized_update)
+    fmt = bucket.format
+    rest = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=hp.decay,
+                optimized_update=hp.optimized_update)
     grads = dict(items)
     for i, j, direct in _segments(bucket, items):
-        a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.numels[j - 1]
-        m, v = bucket.exp_avg[a:b], bucket.exp_avg_sq[a:b]
+        a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.sizes[j - 1]
+        stored = bucket.segment(a, b)
         if direct:  # one large parameter: read its gradient and write it in place, no copies
             param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
-            if bucket.master is not None:
-                _run_kernel(implementation, bucket.master[a:b], grad, m, v, param, coefficients, grad_scale, **rest)
-            else:
-                _run_kernel(implementation, param, grad, m, v, None, coefficients, grad_scale, **rest)
+            if not bucket.has_master:
+                stored["weight"], param = param, None
+            _run_kernel(implementation, stored, grad, param, coefficients, seed, grad_scale, **rest)
             continue
         # a run of smaller parameters: gather their values and gradients into flat buffers, one kernel
         # call, copy the results into the parameters
@@ -226,11 +241,10 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         torch._foreach_copy_(bucket.views(buf)[i:j], seg_grads)
         out_views = bucket.views(bucket.out)[i:j]
         torch._foreach_copy_(out_views, bucket.params[i:j])
-        if bucket.master is not None:
-            weight, out = bucket.master[a:b], bucket.out[a:b]
-        else:
-            weight, out = bucket.out[a:b], None
-        _run_kernel(implementation, weight, buf[a:b], m, v, out, coefficients, grad_scale, **rest)
+        param = bucket.out[a:b]
+        if not bucket.has_master:
+            stored["weight"], param = param, None
+        _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
 
 
@@ -247,7 +261,8 @@ def _segments(bucket: Bucket, items: List[Tuple[int, Tensor]]):
             segments.append((start, end, False))
             start = None
         p = bucket.params[k]
-        if bucket.numels[k] >= DIRECT_MIN_NUMEL and p.is_contiguous() and g.is_contiguous():
+        if (bucket.numels[k] >= DIRECT_MIN_NUMEL and bucket.numels[k] == bucket.sizes[k] and p.is_contiguous()
+                and g.is_contiguous()):
             if start is not None:
                 segments.append((start, k, False))
             segments.append((k, k + 1, True))

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from . import hyperparams
 from . import state_dict as _state_dict
-from ._dtensor import local, localize
+from . import encodings
+from ._dtensor import is_dtensor, local, localize
 from .buckets import Bucket, bucket_key, build_buckets
 from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
 from .functional import DECAY_MODES, sync_master_
@@ -57,6 +58,10 @@ class _AdamBase(torch.optim.Optimizer):
         optimized_update: bool,
         master_weights: Optional[bool],
         implementation: str = "auto",
+        state_mode: str = "fp32",
+        store_param_remainders: Optional[bool] = None,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        exp_avg_sq_dtype: Optional[torch.dtype] = None,
     ):
         if learning_rate is not None:
             if lr is not None:
@@ -69,6 +74,8 @@ class _AdamBase(torch.optim.Optimizer):
         if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         self.implementation = implementation
+        self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
+                                                   exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
@@ -97,6 +104,15 @@ class _AdamBase(torch.optim.Optimizer):
         if not any(g["params"] for g in groups):
             raise ValueError("params holds no parameter: every parameter group is empty")
         _check_order_params(order_params, groups)
+        if self.state_format.blocked:
+            for gi, g in enumerate(groups):
+                for j, p in enumerate(g["params"]):
+                    if is_dtensor(p):
+                        raise ValueError(
+                            f"param_groups[{gi}]['params'][{j}] is a DTensor (FSDP2); the state format "
+                            f"{self.state_format.describe()} keeps per-block state, which is not supported for "
+                            f"DTensor parameters yet: use state_mode='fp32', or bfloat16 moments without split "
+                            f"masters (exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16)")
         if order_params is not None:
             rank = {id(p): i for i, p in enumerate(order_params)}
             for g in groups:
@@ -107,12 +123,14 @@ class _AdamBase(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:  # torch keeps only defaults, state and param_groups
         state = super().__getstate__()
         state["implementation"] = self.implementation
+        state["state_format"] = self.state_format
         state["_order_params"] = self._order_params
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         self.implementation = state.pop("implementation", "auto")
+        self.state_format = state.pop("state_format", encodings.StateFormat())
         self._order_params = state.pop("_order_params", None)
         self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
         self._dtypes = {}
@@ -194,12 +212,25 @@ class _AdamBase(torch.optim.Optimizer):
         use_master = group["master_weights"]
         return param.dtype in _HALF_DTYPES if use_master is None else use_master
 
+    def _format(self, param: Tensor, group: Dict[str, Any]) -> encodings.StateFormat:
+        """The state format of ``param`` (the optimizer's, less what does not apply to it)."""
+        return encodings.for_param(self.state_format, param, self._use_master(param, group))
+
     def _state_fits(self, param: Tensor, state: dict, group: Dict[str, Any]) -> bool:
-        """Whether ``state`` was made for ``param`` as it is now (dtype, device, master setting)."""
+        """Whether ``state`` was made for ``param`` as it is now (dtype, device, master setting, format)."""
         ea = state.get("exp_avg")
-        return (ea is not None and ea.device == param.device and ea.dtype == _compute_dtype(param)
-                and self._dtypes.get(id(param), param.dtype) == param.dtype
-                and ("master_weight" in state) == self._use_master(param, group))
+        if ea is None or ea.device != param.device or self._dtypes.get(id(param), param.dtype) != param.dtype:
+            return False
+        expected = self._state_dtypes(param, group)
+        present = [k for k in ("master_weight", "master_low", "exp_avg", "exp_avg_sq") if k in state]
+        return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
+
+    def _state_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
+        """The per-element state keys ``param`` has in this optimizer, and their dtypes."""
+        use_master = self._use_master(param, group)
+        if param.dtype == torch.float64:
+            return dict.fromkeys(("master_weight",) * use_master + ("exp_avg", "exp_avg_sq"), torch.float64)
+        return encodings.element_keys(self._format(param, group), use_master)
 
     @torch.no_grad()
     def _conform_state(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
@@ -214,12 +245,25 @@ class _AdamBase(torch.optim.Optimizer):
         them). A parameter that gets a master and had none (float32 -> half) gets one from its
         value. The moments are moved and kept in the compute dtype; the step count stays. New
         tensors are made, never views into a previous bucket.
+
+        With an encoded state (:mod:`halfadam.encodings`) the state is decoded and encoded again for
+        the parameter's new form; after a dtype change a split master restarts from the parameter's
+        value (its remainder belonged to the old dtype).
         """
+        old_dtype = self._dtypes.get(id(param), param.dtype)
+        if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
+            master = param.detach().float() if old_dtype != param.dtype and "master_low" in state else None
+            fmt = self._format(param, group) if param.dtype != torch.float64 else encodings.StateFormat()
+            new = encodings.convert_state(state, param, fmt, self._use_master(param, group), master)
+            state.clear()
+            state.update({k: v.to(torch.float64) if param.dtype == torch.float64 and k != "step" else v
+                          for k, v in new.items()})
+            self._dtypes[id(param)] = param.dtype
+            return
         compute = _compute_dtype(param)
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = state[key].to(device=param.device, dtype=compute, copy=True)
         master = state.pop("master_weight", None)
-        old_dtype = self._dtypes.get(id(param), param.dtype)
         if master is not None:
             master = master.to(device=param.device, dtype=compute, copy=True)
             if old_dtype != param.dtype:
@@ -263,6 +307,9 @@ class _AdamBase(torch.optim.Optimizer):
             compute_dtype = _compute_dtype(param)
             self._dtypes[id(param)] = param.dtype
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if param.dtype != torch.float64 and not self.state_format.is_fp32:
+                state.update(encodings.new_state(self._format(param, group), param, self._use_master(param, group)))
+                continue
             if self._use_master(param, group):
                 state["master_weight"] = param.detach().to(compute_dtype, copy=True)
             state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
@@ -283,7 +330,7 @@ class _AdamBase(torch.optim.Optimizer):
                 and layout.ids == ids):
             return layout
         params = group["params"]
-        buckets = build_buckets(params, [self._use_master(p, group) for p in params])
+        buckets = build_buckets(params, [self._use_master(p, group) for p in params], self.state_format)
         layout = _GroupLayout(group, self.state, ids, buckets)
         self._layouts[id(group)] = layout
         for p in params:
@@ -329,7 +376,7 @@ class _AdamBase(torch.optim.Optimizer):
             else:
                 rest.extend((bucket.params[i], g) for i, g in items)
         if rest:
-            reference_step(*localize(rest, self.state), hp, grad_scale)
+            reference_step(*localize(rest, self.state), hp, grad_scale, self.state_format)
 
     def _sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
                     layout: Optional["_GroupLayout"]) -> Optional[tuple]:
@@ -404,8 +451,13 @@ class _AdamBase(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _synced_master(self, param: Tensor, group: Dict[str, Any]) -> Optional[Tensor]:
-        """``param``'s master weight (state made or conformed first), synced with it; ``None`` if it has none."""
-        master = self._init_state(param, group).get("master_weight")
+        """``param``'s master weight (state made or conformed first), synced with it; ``None`` if it has none.
+
+        A split master (:mod:`halfadam.encodings`) is decoded into a new float32 tensor."""
+        state = self._init_state(param, group)
+        if "master_low" in state:
+            return encodings.decode_state(self._format(param, group), param, state)["master_weight"]  # never a DTensor
+        master = state.get("master_weight")
         if master is not None:
             sync_master_(local(master), local(param))
         return master
@@ -812,10 +864,14 @@ class AdamW(_AdamBase):
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
+                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="decoupled", optimized_update=False,
-                         master_weights=master_weights, implementation=implementation)
+                         master_weights=master_weights, implementation=implementation, state_mode=state_mode,
+                         store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype)
 
 
 class Adam(_AdamBase):
@@ -827,10 +883,14 @@ class Adam(_AdamBase):
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
+                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="l2", optimized_update=False,
-                         master_weights=master_weights, implementation=implementation)
+                         master_weights=master_weights, implementation=implementation, state_mode=state_mode,
+                         store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype)
 
 
 class WeightDecay:
@@ -881,13 +941,17 @@ class AdamFP16(_AdamBase):
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-16,
                  weight_decay: WeightDecay = WeightDecay(), optimized_update: bool = True, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto"):
+                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
+                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
         if not isinstance(weight_decay, WeightDecay):
             raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay.weight_decay, decay=weight_decay.decay,
                          optimized_update=optimized_update, master_weights=master_weights,
-                         implementation=implementation)
+                         implementation=implementation, state_mode=state_mode,
+                         store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                         exp_avg_sq_dtype=exp_avg_sq_dtype)
 
 
 class _GroupLayout:

@@ -1,0 +1,492 @@
+"""How the optimizer state is stored: one encoding per state kind, each stated once.
+
+A :class:`StateFormat` names the encoding of each kind of per-parameter state. The step is always:
+decode what the math needs to float32, run :func:`halfadam.functional.adam_elementwise_`, encode the
+results back (:func:`encoded_update_`); every execution (reference, foreach, fused) runs that same
+composition, so no execution carries its own copy of an encoding.
+
+Bytes of state per parameter element (the ``step`` counter aside), by encoding:
+
+=================  =================================  =================  ======================================
+state              encoding (stored keys)              bytes / element    exact?
+=================  =================================  =================  ======================================
+master weight      ``"fp32"``: ``master_weight``        4                  yes
+master weight      ``"split"``: ``master_low`` (int16)  2 + 1/128          bf16: yes, bit for bit; fp16: yes for
+                   + ``master_tie`` (uint8 per block)                     masters in fp16's normal range
+exp_avg            ``float32``: ``exp_avg``             4                  yes
+exp_avg            ``bfloat16``                         2                  no: stochastic rounding
+exp_avg            ``uint8``: codes + ``exp_avg_absmax``  1 + 4/128        no: dynamic tree, nearest
+exp_avg_sq         ``float32`` / ``bfloat16``           4 / 2              yes / no (stochastic rounding)
+exp_avg_sq         ``uint8``: codes + ``..._absmax``      1 + 4/128        no: log2 levels, stochastic rounding
+=================  =================================  =================  ======================================
+
+Presets (:data:`PRESETS`), for a float16/bfloat16 parameter: ``"fp32"`` 12 B (the default),
+``"split"`` 10.01 B, ``"bf16"`` 6.01 B, ``"compact"`` 4.07 B. float32 parameters have no master
+(the parameter is the weight) and use the moment encodings; float64 parameters keep float64 state.
+
+The encodings:
+
+* **split master** (Megatron's ``store_param_remainders``): the fp32 master is the parameter plus a
+  16-bit remainder. bfloat16 is the upper half of float32, so for a bf16 parameter the remainder is
+  the difference of bit patterns, ``master_bits - param_bits * 2**16`` in [-2**15, 2**15]; the
+  parameter stays ``round(master)`` (nearest even). One value does not fit an int16: the tie
+  ``+2**15`` (the master exactly halfway above an even parameter). Each block of 128 elements has
+  one byte ``master_tie`` = 1 + the index of its first such element (0: none); that element stores
+  ``-2**15`` and decodes with ``+2**16``. A second tie in the same block stores ``2**15 - 1`` (the
+  master moves by one fp32 ulp; about 2**-34 per block and step, never seen in tests). For float16
+  parameters the remainder is ``(master - param) / ulp(param) * 2**16``, rounded: exact while the
+  master is in fp16's normal range (fp32 has 13 more significant bits than fp16); below 2**-14 its
+  absolute error is at most 2**-41; a master beyond fp16's range is lost with the parameter (inf).
+  Writes to the parameter: decoding checks ``round(decoded) == param`` element by element and
+  otherwise takes the parameter's value (the master-sync rule of :mod:`halfadam.functional`); where
+  the check passes after a write (the new value's remainder is kept, within half an ulp of it), the
+  master is the written value plus the old remainder. Loads and dtype changes zero the remainders.
+* **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
+  unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
+  ``1 - beta2`` is below half a bf16 step.
+* **uint8 moments**, block-wise with one fp32 absmax per block of 128 (Dettmers et al., "8-bit
+  Optimizers via Block-wise Quantization", ICLR 2022). ``exp_avg``: Dettmers' signed dynamic tree
+  map (bitsandbytes' ``create_dynamic_map``), nearest code. ``exp_avg_sq``: code 0 is 0, codes
+  1..255 are ``absmax * 2**(-24 * (255 - c) / 254)`` (24 octaves, log-spaced), stochastic rounding
+  unbiased in value, and a nonzero value never encodes to 0 (it would make ``m / sqrt(v)`` explode);
+  values below the range take code 1. Chosen on measurements (``docs/research/compact-state``):
+  Dettmers' unsigned map and linear maps for ``exp_avg_sq`` lost 20-109% of validation loss on the
+  digits task.
+
+Random bits are a hash of the value being rounded, the step and the state kind (no generator
+state): every execution draws the same bits for the same value, and a resumed run continues
+bitwise.
+
+Layout: per-element keys have the parameter's shape; per-block keys (``*_absmax``, ``master_tie``)
+are 1-D, ``ceil(numel / 128)`` long; blocks run over the flattened parameter, the last one padded
+with zeros. In flat buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .functional import adam_elementwise_, sync_master_
+
+__all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
+           "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "for_param",
+           "format_of", "convert_state"]
+
+#: Elements per quantization block (per-block keys have one entry per block).
+BLOCK = 128
+
+MASTER_ENCODINGS = ("fp32", "split")
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The encoding of each kind of state: ``master`` ("fp32" or "split"), ``exp_avg`` and
+    ``exp_avg_sq`` (torch.float32, torch.bfloat16 or torch.uint8)."""
+
+    master: str = "fp32"
+    exp_avg: torch.dtype = torch.float32
+    exp_avg_sq: torch.dtype = torch.float32
+
+    @property
+    def blocked(self) -> bool:
+        """Whether some key is per block (flat buffers then start each parameter at a multiple of BLOCK)."""
+        return self.master == "split" or torch.uint8 in (self.exp_avg, self.exp_avg_sq)
+
+    @property
+    def is_fp32(self) -> bool:
+        return self == StateFormat()
+
+    def describe(self) -> str:
+        name = {v: k for k, v in PRESETS.items()}.get(self)
+        dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
+        parts = f"master={self.master}, exp_avg={dt[self.exp_avg]}, exp_avg_sq={dt[self.exp_avg_sq]}"
+        return f"{name!r} ({parts})" if name else parts
+
+
+#: The state modes reachable with one argument (``state_mode=``).
+PRESETS: Dict[str, StateFormat] = {
+    "fp32": StateFormat(),
+    "split": StateFormat("split"),
+    "bf16": StateFormat("split", torch.bfloat16, torch.bfloat16),
+    "compact": StateFormat("split", torch.uint8, torch.uint8),
+}
+
+
+def state_format(state_mode: str = "fp32", *, store_param_remainders: Optional[bool] = None,
+                 exp_avg_dtype: Optional[torch.dtype] = None,
+                 exp_avg_sq_dtype: Optional[torch.dtype] = None) -> StateFormat:
+    """The :class:`StateFormat` of a preset, with any of its fields overridden (Megatron's names).
+
+    Raises:
+        ValueError: an unknown preset, or a dtype not in (float32, bfloat16, uint8).
+        TypeError: ``store_param_remainders`` not a bool.
+    """
+    if not isinstance(state_mode, str) or state_mode not in PRESETS:
+        raise ValueError(f"state_mode must be one of {tuple(PRESETS)}, got {state_mode!r}")
+    fmt = PRESETS[state_mode]
+    master = fmt.master
+    if store_param_remainders is not None:
+        if not isinstance(store_param_remainders, bool):
+            raise TypeError(f"store_param_remainders must be None, True or False, got {store_param_remainders!r}")
+        master = "split" if store_param_remainders else "fp32"
+    dtypes = []
+    for name, value, default in (("exp_avg_dtype", exp_avg_dtype, fmt.exp_avg),
+                                 ("exp_avg_sq_dtype", exp_avg_sq_dtype, fmt.exp_avg_sq)):
+        if value is None:
+            value = default
+        if value not in MOMENT_DTYPES:
+            raise ValueError(f"{name} must be one of torch.float32, torch.bfloat16, torch.uint8 (8-bit block-wise), "
+                             f"got {value!r}")
+        dtypes.append(value)
+    return StateFormat(master, *dtypes)
+
+
+def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
+    """The format that applies to ``param``: float64 keeps float32 -> float64 state (fp32 format);
+    no master for float32 parameters or with master weights off (``master`` then means nothing)."""
+    if param.dtype == torch.float64:
+        return StateFormat()
+    if not (use_master and param.dtype in _HALF):
+        return StateFormat("fp32", fmt.exp_avg, fmt.exp_avg_sq)
+    return fmt
+
+
+def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
+    """The per-element state keys of ``fmt`` and their dtypes (the parameter's shape)."""
+    keys: Dict[str, torch.dtype] = {}
+    if has_master:
+        keys.update({"master_weight": torch.float32} if fmt.master == "fp32" else {"master_low": torch.int16})
+    keys["exp_avg"] = fmt.exp_avg
+    keys["exp_avg_sq"] = fmt.exp_avg_sq
+    return keys
+
+
+def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
+    """The per-block state keys of ``fmt`` and their dtypes (1-D, one entry per BLOCK elements)."""
+    keys: Dict[str, torch.dtype] = {}
+    if has_master and fmt.master == "split":
+        keys["master_tie"] = torch.uint8
+    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+        if dtype == torch.uint8:
+            keys[f"{name}_absmax"] = torch.float32
+    return keys
+
+
+def bytes_per_element(fmt: StateFormat, has_master: bool = True) -> float:
+    """State bytes per parameter element (per-block keys spread over their BLOCK elements)."""
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    return (sum(size(dt) for dt in element_keys(fmt, has_master).values())
+            + sum(size(dt) for dt in block_keys(fmt, has_master).values()) / BLOCK)
+
+
+def n_blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+# ---------------------------------------------------------------------------------- random bits
+_MASK32 = 0xFFFFFFFF
+
+
+def _random_bits(x: Tensor, seed: Tensor, salt: int) -> Tensor:
+    """32 pseudo-random bits (int64 in [0, 2**32)) per element of float32 ``x``: a hash of its bit
+    pattern, the 0-d int64 ``seed`` (the step) and ``salt``; three xor-shift-multiply rounds (the
+    "lowbias32" family) with multipliers below 2**31, so int64 products never overflow."""
+    h = (x.view(torch.int32).to(torch.int64) & _MASK32) ^ ((seed * 0x27D4EB2F + salt) & _MASK32)
+    h = ((h ^ (h >> 16)) * 0x7FEB352D) & _MASK32
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & _MASK32
+    h = ((h ^ (h >> 16)) * 0x297A2D39) & _MASK32
+    return h ^ (h >> 15)
+
+
+def _uniform(x: Tensor, seed: Tensor, salt: int) -> Tensor:
+    """A float32 in [0, 1) per element (24 random bits)."""
+    return (_random_bits(x, seed, salt) >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# ---------------------------------------------------------------------------------- constants
+def dynamic_map(signed: bool = True) -> Tensor:
+    """Dettmers' dynamic tree map (bitsandbytes ``create_dynamic_map``, 7 exponent bits): 256 sorted
+    float32 values in [-1, 1]. Decade ``i`` (values in [0.1, 1] * 10**(i - 6)) holds ``2**i`` linear levels."""
+    data = []
+    for i in range(7):
+        items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        bounds = torch.linspace(0.1, 1, items, dtype=torch.float64)
+        means = ((bounds[:-1] + bounds[1:]) / 2 * 10.0 ** (i - 6)).tolist()
+        data += means + ([-x for x in means] if signed else [])
+    data += [0.0, 1.0]
+    data += [0.0] * (256 - len(data))
+    return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+#: log2 octaves spanned by the uint8 exp_avg_sq levels below each block's absmax.
+V_OCTAVES = 24.0
+
+
+def _constants(device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dynamic map, its midpoints, exp_avg_sq levels) on ``device``; cached."""
+    found = _CONSTANTS.get(device)
+    if found is None:
+        dyn = dynamic_map(signed=True)
+        codes = torch.arange(256, dtype=torch.float64)
+        levels = torch.where(codes > 0, torch.exp2((codes - 255) * (V_OCTAVES / 254)), 0.0).float()
+        found = _CONSTANTS[device] = tuple(t.to(device) for t in (dyn, (dyn[1:] + dyn[:-1]) / 2, levels))
+    return found
+
+
+_CONSTANTS: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+
+
+# ---------------------------------------------------------------------------------- master weights
+def _split_remainder(master: Tensor, param: Tensor) -> Tensor:
+    """The remainder of ``master`` (fp32) over ``param`` (its rounding, fp16/bf16), int64 in [-2**15, 2**15]."""
+    if param.dtype == torch.bfloat16:  # difference of bit patterns (same sign: the patterns' signs cancel)
+        return master.view(torch.int32).to(torch.int64) - param.view(torch.int16).to(torch.int64) * 65536
+    finite = param.isfinite()
+    r = torch.round((master - param.to(torch.float32)) / _fp16_ulp(param) * 65536.0)
+    return torch.where(finite, r, 0.0).to(torch.int64)
+
+
+def _fp16_ulp(param: Tensor) -> Tensor:
+    """The spacing of float16 values at ``param`` (float32): 2**(max(exponent, 1) - 25)."""
+    exponent = (param.view(torch.int16).to(torch.int32) & 0x7C00) >> 10
+    return ((torch.clamp(exponent, min=1) + (127 - 25)) << 23).view(torch.float32)
+
+
+def _split_decode(param: Tensor, low: Tensor, tie: Tensor) -> Tensor:
+    """The fp32 master from flat ``param`` (fp16/bf16), ``low`` (int16) and ``tie`` (uint8 per block).
+
+    Where the decoded value does not round to ``param`` (the parameter was written and the old
+    remainder no longer fits it) the parameter's value is taken (the master-sync rule)."""
+    flagged = (torch.arange(BLOCK, device=low.device) == tie.view(-1, 1).to(torch.int64) - 1).view(-1)
+    r = low.to(torch.int64) + flagged.to(torch.int64) * 65536
+    if param.dtype == torch.bfloat16:
+        bits = param.view(torch.int16).to(torch.int64) * 65536 + r
+        master = bits.clamp(-(1 << 31), (1 << 31) - 1).to(torch.int32).view(torch.float32)
+    else:
+        master = param.to(torch.float32) + r.to(torch.float32) * (_fp16_ulp(param) * (1.0 / 65536))
+    return torch.where(master.to(param.dtype) == param, master, param.to(torch.float32))
+
+
+def _split_encode_(master: Tensor, param: Tensor, low: Tensor, tie: Tensor) -> None:
+    """Write ``round(master)`` into ``param`` and the remainder into ``low``/``tie`` (flat, block-padded)."""
+    param.copy_(master)
+    r = _split_remainder(master, param).view(-1, BLOCK)
+    is_tie = r == 32768
+    lane = torch.arange(BLOCK, device=low.device)
+    first = torch.where(is_tie, lane, BLOCK).amin(dim=1, keepdim=True)
+    tie.copy_(torch.where(first < BLOCK, first + 1, 0).view(-1).to(torch.uint8))
+    low.copy_(torch.where(is_tie & (lane == first), -32768, r.clamp(-32768, 32767)).view(-1).to(torch.int16))
+
+
+# ---------------------------------------------------------------------------------- moments
+_SALT = {"exp_avg": 0x3C6EF372, "exp_avg_sq": 0x1B873593}
+
+
+def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tables) -> Tensor:
+    q = stored[name]
+    if dtype == torch.float32:
+        return q
+    if dtype == torch.bfloat16:
+        return q.to(torch.float32)
+    table = tables[0] if name == "exp_avg" else tables[2]
+    return (table[q.to(torch.int64)].view(-1, BLOCK) * stored[f"{name}_absmax"].view(-1, 1)).view(-1)
+
+
+def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], tables,
+                    seed: Tensor) -> None:
+    if dtype == torch.float32:
+        return  # updated in place
+    if dtype == torch.bfloat16:  # stochastic rounding: add 16 random bits below bf16's, truncate
+        bits = (x.view(torch.int32).to(torch.int64) & _MASK32) + (_random_bits(x, seed, _SALT[name]) >> 16)
+        upper = (bits >> 16) & 0xFFFF
+        stored[name].copy_(torch.where(upper >= 32768, upper - 65536, upper).to(torch.int16).view(torch.bfloat16))
+        return
+    blocks = x.view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    y = blocks / torch.where(absmax > 0, absmax, 1.0)
+    if name == "exp_avg":  # nearest value of the dynamic tree map
+        codes = torch.bucketize(y, tables[1])
+    else:  # log2 levels; stochastic rounding unbiased in value; nonzero never to 0
+        levels = tables[2]
+        lo = torch.floor(255 + torch.log2(y) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
+        v_lo, v_hi = levels[lo], levels[lo + 1]
+        p = ((y - v_lo) / (v_hi - v_lo)).clamp(0, 1)
+        codes = torch.where(y > 0, lo + (_uniform(y, seed, _SALT[name]) < p).to(torch.int64), 0)
+    stored[name].copy_(codes.view(-1).to(torch.uint8))
+    stored[f"{name}_absmax"].copy_(absmax.view(-1))
+
+
+# ---------------------------------------------------------------------------------- the step
+def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Tensor,
+                    coefficients: Tuple[Tensor, ...], seed: Tensor, *, master: str, exp_avg: torch.dtype,
+                    exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
+    """One Adam step over flat, block-padded state: decode, :func:`adam_elementwise_`, encode.
+
+    Args:
+        stored: the state's flat tensors by key (:func:`element_keys`, :func:`block_keys`).
+        param: the flat parameter values (fp16/bf16) when the parameter has a master: read (the
+            master-sync rule), then written with the rounded new master. ``None``: ``stored`` has no
+            master and the weight is ``stored["weight"]`` (float32, updated in place).
+        grad: flat float32 gradient.
+        coefficients, seed: :func:`halfadam.functional.adam_coefficients` (0-d tensors), and the step
+            as a 0-d int64 tensor (the random bits' seed).
+    Every tensor is 1-D with a length that is a multiple of BLOCK when the format is blocked.
+    """
+    tables = _constants(grad.device) if torch.uint8 in (exp_avg, exp_avg_sq) else None
+    if param is None:
+        weight = stored["weight"]
+    elif master == "fp32":
+        weight = stored["master_weight"]
+        sync_master_(weight, param)
+    else:
+        weight = _split_decode(param, stored["master_low"], stored["master_tie"])
+    m = _decode_moment(exp_avg, "exp_avg", stored, tables)
+    v = _decode_moment(exp_avg_sq, "exp_avg_sq", stored, tables)
+    adam_elementwise_(weight, grad, m, v, *coefficients, decay=decay, optimized_update=optimized_update)
+    _encode_moment_(exp_avg, "exp_avg", m, stored, tables, seed)
+    _encode_moment_(exp_avg_sq, "exp_avg_sq", v, stored, tables, seed)
+    if param is not None:
+        if master == "fp32":
+            param.copy_(weight)
+        else:
+            _split_encode_(weight, param, stored["master_low"], stored["master_tie"])
+
+
+# ---------------------------------------------------------------------------------- per parameter
+def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Tensor]:
+    """Fresh state tensors for ``param`` (zero moments, master from the parameter, zero remainders)."""
+    state = {}
+    for key, dtype in element_keys(fmt, has_master).items():  # *_like: a DTensor parameter gets DTensor state
+        state[key] = (param.detach().to(torch.float32, copy=True) if key == "master_weight"
+                      else torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format))
+    for key, dtype in block_keys(fmt, has_master).items():
+        state[key] = torch.zeros(n_blocks(param.numel()), dtype=dtype, device=param.device)
+    return state
+
+
+def _has_master(state: Dict[str, Tensor]) -> bool:
+    return "master_weight" in state or "master_low" in state
+
+
+def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
+    """Flat, block-padded (with zeros) copies of ``state``'s tensors and of the parameter's values."""
+    length = n_blocks(param.numel()) * BLOCK
+
+    def pad(t: Tensor) -> Tensor:
+        flat = t.detach().reshape(-1)
+        return torch.cat([flat, flat.new_zeros(length - flat.numel())]) if flat.numel() < length else flat.clone()
+
+    has_master = _has_master(state)
+    stored = {k: pad(state[k]) for k in element_keys(fmt, has_master)}
+    stored.update({k: state[k].clone() for k in block_keys(fmt, has_master)})
+    return stored, pad(param)
+
+
+def _write_back(state: Dict[str, Tensor], stored: Dict[str, Tensor], param: Optional[Tensor],
+                flat_param: Tensor) -> None:
+    for key, t in stored.items():
+        if key in state:
+            state[key].copy_(t[:state[key].numel()].view(state[key].shape))
+    if param is not None:
+        param.detach().copy_(flat_param[:param.numel()].view(param.shape))
+
+
+def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], grad: Tensor,
+                  coefficients: tuple, step: int, *, decay: str, optimized_update: bool) -> None:
+    """:func:`encoded_update_` for one parameter and its own (not flat) state tensors."""
+    stored, flat_param = _flat_copies(fmt, param, state)
+    has_master = _has_master(state)
+    if not has_master:
+        stored["weight"] = flat_param.to(torch.float32)
+    g = torch.cat([grad.reshape(-1).to(torch.float32),
+                   grad.new_zeros(flat_param.numel() - grad.numel(), dtype=torch.float32)])
+    seed = torch.tensor(step, dtype=torch.int64, device=param.device)
+    encoded_update_(stored, flat_param if has_master else None, g, coefficients, seed, master=fmt.master,
+                    exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized_update)
+    if not has_master:
+        flat_param.copy_(stored.pop("weight"))
+    _write_back(state, stored, param, flat_param)
+
+
+def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` as new float32 tensors
+    of the parameter's shape (a split master synced with ``param``, see :func:`_split_decode`)."""
+    stored, flat_param = _flat_copies(fmt, param, state)
+    tables = _constants(param.device) if torch.uint8 in (fmt.exp_avg, fmt.exp_avg_sq) else None
+    out = {}
+    if "master_weight" in stored:
+        out["master_weight"] = stored["master_weight"]
+    elif "master_low" in stored and param.dtype in _HALF:
+        out["master_weight"] = _split_decode(flat_param, stored["master_low"], stored["master_tie"])
+    out["exp_avg"] = _decode_moment(fmt.exp_avg, "exp_avg", stored, tables)
+    out["exp_avg_sq"] = _decode_moment(fmt.exp_avg_sq, "exp_avg_sq", stored, tables)
+    n = param.numel()
+    return {k: v[:n].reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
+
+
+def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], values: Dict[str, Tensor],
+                  step: float) -> None:
+    """Encode float32 ``values`` (``master_weight`` when ``state`` has a master, ``exp_avg``,
+    ``exp_avg_sq``; the parameter's shape) into ``state``'s tensors, in place. A split master also
+    writes ``round(master)`` into ``param`` (after a load it holds that value already)."""
+    stored, flat_param = _flat_copies(fmt, param, state)
+    length = flat_param.numel()
+    seed = torch.tensor(int(step), dtype=torch.int64, device=param.device)
+    tables = _constants(param.device) if torch.uint8 in (fmt.exp_avg, fmt.exp_avg_sq) else None
+
+    def pad(t: Tensor) -> Tensor:
+        flat = t.detach().reshape(-1).to(device=param.device, dtype=torch.float32)
+        return torch.cat([flat, flat.new_zeros(length - flat.numel())])
+
+    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+        if dtype == torch.float32:
+            stored[name].copy_(pad(values[name]))
+        else:
+            _encode_moment_(dtype, name, pad(values[name]), stored, tables, seed)
+    written = None
+    if "master_weight" in stored:
+        stored["master_weight"].copy_(pad(values["master_weight"]))
+    elif "master_low" in stored:
+        _split_encode_(pad(values["master_weight"]), flat_param, stored["master_low"], stored["master_tie"])
+        written = param
+    _write_back(state, stored, written, flat_param)
+
+
+def format_of(state: Dict[str, Tensor]) -> StateFormat:
+    """The format a parameter's state was stored in, read off its keys and dtypes (checkpoints carry no
+    other record). Raises ValueError for a moment dtype that is not an encoding."""
+    dtypes = []
+    for name in ("exp_avg", "exp_avg_sq"):
+        dtype = state[name].dtype
+        if dtype == torch.float64:
+            dtype = torch.float32
+        if dtype not in MOMENT_DTYPES:
+            raise ValueError(f"{name} has dtype {dtype}, which is no state encoding (float32, bfloat16, uint8)")
+        dtypes.append(dtype)
+    return StateFormat("split" if "master_low" in state else "fp32", *dtypes)
+
+
+def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,
+                  master: Optional[Tensor] = None) -> Dict[str, Tensor]:
+    """``state`` (any format; on any device) re-encoded in ``fmt`` for ``param``: new tensors, ``step`` kept.
+
+    The master is ``master`` when given, else decoded from ``state`` (a split master against the
+    parameter's current values), else the parameter's value. The encoded moments' random bits are
+    seeded with the step, so a conversion is reproducible.
+    """
+    step = state.get("step", torch.tensor(0.0))
+    old = {k: (v.to(param.device) if isinstance(v, Tensor) else v) for k, v in state.items() if k != "step"}
+    values = decode_state(format_of(old), param, old)
+    if master is not None:
+        values["master_weight"] = master
+    values.setdefault("master_weight", param.detach().to(torch.float32))
+    new = new_state(fmt, param, has_master)
+    encode_state_(fmt, param, new, values, float(step))
+    new["step"] = step
+    return new
