@@ -126,8 +126,8 @@ def test_state_entries_are_views_of_flat_buffers(impl):
     assert [id(p) for p in bucket.params] == [id(p) for p in reversed(params[:4])]
     for i, p in enumerate(bucket.params):
         st = opt.state[p]
-        for key, flat in (("master_weight", bucket.master), ("exp_avg", bucket.exp_avg),
-                          ("exp_avg_sq", bucket.exp_avg_sq)):
+        for key, flat in (("master_weight", bucket.flat["master_weight"]), ("exp_avg", bucket.flat["exp_avg"]),
+                          ("exp_avg_sq", bucket.flat["exp_avg_sq"])):
             assert st[key].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             assert st[key].data_ptr() == flat.data_ptr() + 4 * bucket.offsets[i]
             assert st[key].dtype == torch.float32 and st[key].shape == p.shape

@@ -73,7 +73,7 @@ from torch import Tensor
 from .functional import adam_elementwise_, sync_master_
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
-           "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "for_param",
+           "decode_state", "encode_state_", "encoded_update_", "update_param_", "tables", "bytes_per_element", "for_param",
            "format_of", "convert_state"]
 
 #: Elements per quantization block (per-block keys have one entry per block).
@@ -224,12 +224,19 @@ def dynamic_map(signed: bool = True) -> Tensor:
     return torch.tensor(sorted(data), dtype=torch.float32)
 
 
+#: The index of 0.0 in the sorted signed dynamic map; ``exp_avg`` stores ``(index - _DYN_ZERO) mod 256``
+#: so that zero-filled state (new, or the padding after a parameter) decodes to 0.
+_DYN_ZERO = 127
+
 #: log2 octaves spanned by the uint8 exp_avg_sq levels below each block's absmax.
 V_OCTAVES = 24.0
 
 
-def _constants(device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dynamic map, its midpoints, exp_avg_sq levels) on ``device``; cached."""
+def tables(fmt: StateFormat, device: torch.device) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """The uint8 moments' lookup tables on ``device`` (cached), or ``None`` when ``fmt`` has none:
+    (dynamic map, its midpoints, exp_avg_sq levels)."""
+    if torch.uint8 not in (fmt.exp_avg, fmt.exp_avg_sq):
+        return None
     found = _CONSTANTS.get(device)
     if found is None:
         dyn = dynamic_map(signed=True)
@@ -294,8 +301,11 @@ def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tab
         return q
     if dtype == torch.bfloat16:
         return q.to(torch.float32)
-    table = tables[0] if name == "exp_avg" else tables[2]
-    return (table[q.to(torch.int64)].view(-1, BLOCK) * stored[f"{name}_absmax"].view(-1, 1)).view(-1)
+    if name == "exp_avg":
+        table, index = tables[0], (q.to(torch.int64) + _DYN_ZERO) & 255
+    else:
+        table, index = tables[2], q.to(torch.int64)
+    return (table[index].view(-1, BLOCK) * stored[f"{name}_absmax"].view(-1, 1)).view(-1)
 
 
 def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], tables,
@@ -311,7 +321,7 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
     absmax = blocks.abs().amax(dim=1, keepdim=True)
     y = blocks / torch.where(absmax > 0, absmax, 1.0)
     if name == "exp_avg":  # nearest value of the dynamic tree map
-        codes = torch.bucketize(y, tables[1])
+        codes = (torch.bucketize(y, tables[1]) - _DYN_ZERO) & 255  # stored so that code 0 is 0.0
     else:  # log2 levels; stochastic rounding unbiased in value; nonzero never to 0
         levels = tables[2]
         lo = torch.floor(255 + torch.log2(y) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
@@ -324,8 +334,9 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
 
 # ---------------------------------------------------------------------------------- the step
 def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Tensor,
-                    coefficients: Tuple[Tensor, ...], seed: Tensor, *, master: str, exp_avg: torch.dtype,
-                    exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
+                    coefficients: Tuple[Tensor, ...], seed: Tensor, tables: Optional[Tuple[Tensor, ...]], *,
+                    master: str, exp_avg: torch.dtype, exp_avg_sq: torch.dtype, decay: str,
+                    optimized_update: bool) -> None:
     """One Adam step over flat, block-padded state: decode, :func:`adam_elementwise_`, encode.
 
     Args:
@@ -336,9 +347,10 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
         grad: flat float32 gradient.
         coefficients, seed: :func:`halfadam.functional.adam_coefficients` (0-d tensors), and the step
             as a 0-d int64 tensor (the random bits' seed).
+        tables: :func:`tables` of the device (``None`` without uint8 moments): passed in, so that a
+            compiled caller neither builds nor captures them.
     Every tensor is 1-D with a length that is a multiple of BLOCK when the format is blocked.
     """
-    tables = _constants(grad.device) if torch.uint8 in (exp_avg, exp_avg_sq) else None
     if param is None:
         weight = stored["weight"]
     elif master == "fp32":
@@ -407,7 +419,8 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
     g = torch.cat([grad.reshape(-1).to(torch.float32),
                    grad.new_zeros(flat_param.numel() - grad.numel(), dtype=torch.float32)])
     seed = torch.tensor(step, dtype=torch.int64, device=param.device)
-    encoded_update_(stored, flat_param if has_master else None, g, coefficients, seed, master=fmt.master,
+    encoded_update_(stored, flat_param if has_master else None, g, coefficients, seed, tables(fmt, param.device),
+                    master=fmt.master,
                     exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized_update)
     if not has_master:
         flat_param.copy_(stored.pop("weight"))
@@ -418,14 +431,14 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> D
     """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` as new float32 tensors
     of the parameter's shape (a split master synced with ``param``, see :func:`_split_decode`)."""
     stored, flat_param = _flat_copies(fmt, param, state)
-    tables = _constants(param.device) if torch.uint8 in (fmt.exp_avg, fmt.exp_avg_sq) else None
+    tables_ = tables(fmt, param.device)
     out = {}
     if "master_weight" in stored:
         out["master_weight"] = stored["master_weight"]
     elif "master_low" in stored and param.dtype in _HALF:
         out["master_weight"] = _split_decode(flat_param, stored["master_low"], stored["master_tie"])
-    out["exp_avg"] = _decode_moment(fmt.exp_avg, "exp_avg", stored, tables)
-    out["exp_avg_sq"] = _decode_moment(fmt.exp_avg_sq, "exp_avg_sq", stored, tables)
+    out["exp_avg"] = _decode_moment(fmt.exp_avg, "exp_avg", stored, tables_)
+    out["exp_avg_sq"] = _decode_moment(fmt.exp_avg_sq, "exp_avg_sq", stored, tables_)
     n = param.numel()
     return {k: v[:n].reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
@@ -433,12 +446,13 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> D
 def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], values: Dict[str, Tensor],
                   step: float) -> None:
     """Encode float32 ``values`` (``master_weight`` when ``state`` has a master, ``exp_avg``,
-    ``exp_avg_sq``; the parameter's shape) into ``state``'s tensors, in place. A split master also
-    writes ``round(master)`` into ``param`` (after a load it holds that value already)."""
+    ``exp_avg_sq``; the parameter's shape) into ``state``'s tensors, in place. A split master keeps
+    the master where the parameter equals its rounding and takes the parameter's value elsewhere
+    (the master-sync rule), so the parameter is never changed."""
     stored, flat_param = _flat_copies(fmt, param, state)
     length = flat_param.numel()
     seed = torch.tensor(int(step), dtype=torch.int64, device=param.device)
-    tables = _constants(param.device) if torch.uint8 in (fmt.exp_avg, fmt.exp_avg_sq) else None
+    tables_ = tables(fmt, param.device)
 
     def pad(t: Tensor) -> Tensor:
         flat = t.detach().reshape(-1).to(device=param.device, dtype=torch.float32)
@@ -448,14 +462,14 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
         if dtype == torch.float32:
             stored[name].copy_(pad(values[name]))
         else:
-            _encode_moment_(dtype, name, pad(values[name]), stored, tables, seed)
-    written = None
+            _encode_moment_(dtype, name, pad(values[name]), stored, tables_, seed)
     if "master_weight" in stored:
         stored["master_weight"].copy_(pad(values["master_weight"]))
     elif "master_low" in stored:
-        _split_encode_(pad(values["master_weight"]), flat_param, stored["master_low"], stored["master_tie"])
-        written = param
-    _write_back(state, stored, written, flat_param)
+        master = pad(values["master_weight"])  # the master-sync rule first: a parameter that differs wins
+        master = torch.where(master.to(flat_param.dtype) == flat_param, master, flat_param.to(torch.float32))
+        _split_encode_(master, flat_param, stored["master_low"], stored["master_tie"])
+    _write_back(state, stored, None, flat_param)
 
 
 def format_of(state: Dict[str, Tensor]) -> StateFormat:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .buckets import Bucket
+from . import encodings
 from .encodings import BLOCK, StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
@@ -100,7 +101,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 
 # ---------------------------------------------------------------------------------------- flat paths
 def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor], coefficients: Tuple[Tensor, ...],
-                 seed: Tensor, grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
+                 seed: Tensor, tables: Optional[Tuple[Tensor, ...]], grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
                  exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
     """One bucket segment's update over flat buffers: unscale, then :func:`halfadam.encodings.encoded_update_`
     (decode the state, master sync, :func:`adam_elementwise_`, encode, write the parameter back).
@@ -115,7 +116,7 @@ def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
-    encoded_update_(stored, param, g, coefficients, seed, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+    encoded_update_(stored, param, g, coefficients, seed, tables, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                     decay=decay, optimized_update=optimized_update)
 
 
@@ -157,7 +158,7 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
             stored, grad, param = args[:3]
-            key = (grad.device.type, grad.dtype, None if param is None else param.dtype, args[5] is None,
+            key = (grad.device.type, grad.dtype, None if param is None else param.dtype, args[6] is None,
                    tuple(sorted(stored)), tuple(sorted(kwargs.items())))
             for t in [*stored.values(), grad, param]:
                 if t is not None:
@@ -216,6 +217,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
         optimized_update=hp.optimized_update)
     seed = step.to(device=device, dtype=torch.int64)
+    tables = encodings.tables(bucket.format, device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
     fmt = bucket.format
@@ -229,7 +231,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
             param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
             if not bucket.has_master:
                 stored["weight"], param = param, None
-            _run_kernel(implementation, stored, grad, param, coefficients, seed, grad_scale, **rest)
+            _run_kernel(implementation, stored, grad, param, coefficients, seed, tables, grad_scale, **rest)
             continue
         # a run of smaller parameters: gather their values and gradients into flat buffers, one kernel
         # call, copy the results into the parameters
@@ -244,7 +246,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         param = bucket.out[a:b]
         if not bucket.has_master:
             stored["weight"], param = param, None
-        _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, grad_scale, **rest)
+        _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, tables, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
 
 

@@ -6,6 +6,9 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
     {"state": {index: {"step": 0-d float32 tensor,
                        "master_weight": float32 tensor (only where the parameter has one),
                        "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
+                       # other state modes store their encodings instead (halfadam.encodings):
+                       # "master_low" int16 + "master_tie" uint8 per block (split master),
+                       # bfloat16 moments, or uint8 moments + "exp_avg_absmax"/"exp_avg_sq_absmax"
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
 
@@ -17,6 +20,10 @@ with ``state_dict()``/``load_state_dict()``); a schedule that cannot be saved as
 closure) is recorded by name only and the optimizer loading the checkpoint must have been built with
 one. The whole state_dict is therefore made of tensors, numbers, strings, lists, tuples and dicts:
 ``torch.save`` it and ``torch.load(..., weights_only=True)`` reads it back.
+
+A state_dict records each parameter's encoding in its keys and dtypes: loading one saved in another
+state mode decodes it and encodes it in the loading optimizer's (a split master against the
+parameter's current value: load the model first); the same mode loads bit for bit.
 
 Loading never changes a state tensor's dtype (float32 state stays float32 for float16/bfloat16
 parameters; ``torch.optim.Optimizer.load_state_dict`` would cast it to float16) and is atomic: every
@@ -45,7 +52,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import hyperparams
+from . import encodings, hyperparams
 from .functional import DECAY_MODES
 
 __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
@@ -227,6 +234,7 @@ class _ParamLoad:
     values: Dict[str, Tensor]
     step: float
     rebuild_master: bool
+    format: encodings.StateFormat  # the checkpoint's encoding of this parameter's state
 
 
 @dataclass
@@ -394,51 +402,73 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         use_master = group["master_weights"]
         if use_master is None:
             use_master = p.dtype in _HALF_DTYPES
-        allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} if kind == "halfadam" else set())
+        encoded = {"master_low", "master_tie", "exp_avg_absmax", "exp_avg_sq_absmax"}
+        allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} | encoded if kind == "halfadam" else set())
         unexpected = sorted(set(saved) - allowed)
         if unexpected:
             raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
         missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
         if missing:
             raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
-        if "master_weight" in saved and not use_master:
+        has_master = "master_weight" in saved or "master_low" in saved
+        if has_master and not use_master:
             raise CheckpointError(
-                f"{where}: the checkpoint has a master_weight but this optimizer keeps none for this parameter "
+                f"{where}: the checkpoint has a master weight but this optimizer keeps none for this parameter "
                 f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
                 f"fp32 weights with load_master_state_dict"
             )
+        for name in saved:
+            if name != "step" and not isinstance(saved[name], Tensor):
+                raise CheckpointError(f"{where}: {name} must be a tensor, got {type(saved[name]).__name__}")
+        fmt = encodings.StateFormat()
+        if kind == "halfadam" and compute == torch.float32:
+            try:
+                fmt = encodings.format_of(saved)
+            except ValueError as exc:
+                raise CheckpointError(f"{where}: {exc}") from None
+            if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
+                raise CheckpointError(f"{where}: the checkpoint has a split master (master_low), which needs a "
+                                      f"float16/bfloat16 parameter")
+        expected = encodings.element_keys(fmt, has_master)
+        blocks = encodings.block_keys(fmt, has_master)
+        extra = sorted(k for k in set(saved) - {"step"} if k not in expected and k not in blocks)
+        absent = sorted(k for k in list(expected) + list(blocks) if k not in saved)
+        if extra or absent:
+            raise CheckpointError(f"{where}: the checkpoint's state keys do not form one encoding "
+                                  f"({fmt.describe()}): unexpected {extra}, missing {absent}")
         values = {}
-        for name in ("exp_avg", "exp_avg_sq", "master_weight"):
-            if name not in saved:
-                continue
+        for name in list(expected) + list(blocks):
             t = saved[name]
-            if not isinstance(t, Tensor):
-                raise CheckpointError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-            if t.shape != p.shape:
+            shape = tuple(p.shape) if name in expected else (encodings.n_blocks(p.numel()),)
+            if tuple(t.shape) != shape:
                 raise CheckpointError(
-                    f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, the parameter has {tuple(p.shape)}"
+                    f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
+                    + (" (the parameter's)" if name in expected else f" (one per {encodings.BLOCK} elements)")
                 )
             if t.is_meta:
                 raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
-            if not t.is_floating_point():
-                raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
-            if kind == "halfadam" and t.dtype != compute:
+            want = compute if expected.get(name) == torch.float32 and name in expected else (
+                expected.get(name) or blocks[name])
+            if kind == "torch":
+                if not t.is_floating_point():
+                    raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
+                if torch.promote_types(t.dtype, compute) != compute:
+                    raise CheckpointError(
+                        f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
+                        f"lose precision"
+                    )
+            elif t.dtype != want:
                 raise CheckpointError(
-                    f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute} (halfadam keeps "
-                    f"its optimizer state in {compute})"
-                )
-            if kind == "torch" and torch.promote_types(t.dtype, compute) != compute:
-                raise CheckpointError(
-                    f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
-                    f"lose precision"
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {want} (halfadam keeps "
+                    f"this state in {want})"
                 )
             values[name] = t
         step = _check_step(saved["step"], f"{where}: step")
-        rebuild = use_master and "master_weight" not in saved
+        rebuild = use_master and not has_master
         if rebuild:
             rebuilt.append(index)
         steps_per_group.setdefault(gi, []).append(step)
-        plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild))
+        plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild, fmt))
 
     if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most
         for gi, steps in steps_per_group.items():
@@ -476,10 +506,16 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
         state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
-        for name, value in load.values.items():
-            state[name].copy_(value)
-        if load.rebuild_master:
-            state["master_weight"].copy_(p.detach())
+        target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
+        if p.dtype == torch.float64 or (load.format == target and not load.rebuild_master):
+            for name, value in load.values.items():  # the same encoding: bit for bit
+                state[name].copy_(value)
+            if load.rebuild_master:
+                state["master_weight"].copy_(p.detach())
+        else:  # another encoding, or no master in the checkpoint: decode, then encode in this one
+            values = encodings.decode_state(load.format, p, {k: v.to(p.device) for k, v in load.values.items()})
+            values.setdefault("master_weight", p.detach().to(torch.float32))
+            encodings.encode_state_(target, p, state, values, load.step)
         if isinstance(state.get("step"), Tensor):
             state["step"].fill_(load.step)
         else:
@@ -527,7 +563,8 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
 def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's state as a ``torch.optim.AdamW`` (or ``Adam``) state_dict, to continue in torch.
 
-    Per parameter: ``step`` and float32 copies of ``exp_avg`` and ``exp_avg_sq``; master weights are
+    Per parameter: ``step`` and float32 copies of ``exp_avg`` and ``exp_avg_sq`` (decoded from
+    bfloat16 or 8-bit state modes); master weights are
     dropped (torch updates the parameters themselves; ``torch.optim.Optimizer.load_state_dict`` casts
     the moments to the parameter's dtype). Per group: the learning rate and weight decay of the *next*
     step (a schedule evaluated at ``global_step``; attach a torch lr_scheduler to go on scheduling),
@@ -564,13 +601,17 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                   decoupled_weight_decay=group["decay"] == "decoupled", params=list(pg["params"]))
         groups.append(tg)
     state = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # torch's indices: this order
     for pid, st in packed["state"].items():
         step = st["step"]
+        moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
+        if st["exp_avg"].dtype not in (torch.float32, torch.float64) or st["exp_avg_sq"].dtype != st["exp_avg"].dtype:
+            decoded = encodings.decode_state(encodings.format_of(st), params[pid], st)  # encoded moments
+            moments = {k: decoded[k] for k in moments}
         state[pid] = {
             "step": step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
             else torch.tensor(float(step), dtype=torch.float32),
-            "exp_avg": st["exp_avg"].detach().clone(),
-            "exp_avg_sq": st["exp_avg_sq"].detach().clone(),
+            **{k: v.detach().clone() for k, v in moments.items()},
         }
     return {"state": state, "param_groups": groups}
 
@@ -591,7 +632,8 @@ def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) 
     if not callable(getattr(optimizer, "sync_master_weights", None)):
         raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
     optimizer.sync_master_weights()
-    masters = {id(p): st["master_weight"] for p, st in optimizer.state.items() if "master_weight" in st}
+    masters = {id(p): optimizer.master_weight(p) if "master_low" in st else st["master_weight"]
+               for p, st in optimizer.state.items() if "master_weight" in st or "master_low" in st}
     source = model.state_dict(keep_vars=True)
     out: "OrderedDict[str, Tensor]" = OrderedDict()
     for key, value in source.items():
