@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = ap.parse_args()
     n = int(args.numel)
-    kernels = {"with sync": torch.compile(executions._flat_kernel, fullgraph=True),
+    kernels = {"with sync": torch.compile(executions._flat_kernel, fullgraph=True,
+                                          options={"emulate_precision_casts": True}),
                "without sync": torch.compile(_without_sync, fullgraph=True)}
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -47,6 +48,7 @@ def main() -> None:
     coefficients = functional.adam_coefficients(step=torch.tensor(3.0, **f64), lr=torch.tensor(1e-3, **f64),
                                                 beta1=0.9, beta2=0.999, eps=1e-8,
                                                 weight_decay=torch.tensor(0.01, **f64))
+    seed = torch.tensor(3, dtype=torch.int64, device=dev)
     for threads in (1, 2) if dev.type == "cpu" else (torch.get_num_threads(),):
         torch.set_num_threads(threads)
         p32 = torch.randn(n, device=dev).requires_grad_()
@@ -57,10 +59,14 @@ def main() -> None:
             master = torch.randn(n, device=dev) * 0.02
             param, grad = master.to(dtype), (torch.randn(n, device=dev) * 1e-3).to(dtype)
             m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-            for name, fn in kernels.items():
-                runs[f"{name} {str(dtype)[6:]}"] = (lambda fn=fn, master=master, grad=grad, m=m, v=v, param=param:
-                                                    fn(master, grad, m, v, param, coefficients, None,
-                                                       decay="decoupled", optimized_update=False))
+            state = {"master_weight": master, "exp_avg": m, "exp_avg_sq": v}
+            fp32_state = dict(master="fp32", exp_avg=torch.float32, exp_avg_sq=torch.float32)
+            runs[f"with sync {str(dtype)[6:]}"] = (lambda fn=kernels["with sync"], state=state, grad=grad, param=param:
+                                                  fn(state, grad, param, coefficients, seed, None, None, **fp32_state,
+                                                     decay="decoupled", optimized_update=False))
+            runs[f"without sync {str(dtype)[6:]}"] = (lambda fn=kernels["without sync"], master=master, grad=grad, m=m,
+                                                     v=v, param=param: fn(master, grad, m, v, param, coefficients, None,
+                                                                          decay="decoupled", optimized_update=False))
         times = {k: [] for k in runs}
         for r in range(args.repeat + 2):
             for name, run in runs.items():

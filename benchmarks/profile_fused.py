@@ -41,7 +41,9 @@ def main():
     grads = [p.grad for p in ps]
     f64 = dict(dtype=torch.float64)
     kernel = executions._get_compiled(("profile",))
-    kw = dict(decay="decoupled", optimized_update=False)
+    kw = dict(master="fp32", exp_avg=torch.float32, exp_avg_sq=torch.float32, decay="decoupled",
+              optimized_update=False)
+    seed = torch.tensor(1, dtype=torch.int64)
 
     def coeffs():
         return adam_coefficients(step=b.steps[0].to(**f64), lr=torch.tensor(1e-3, **f64), beta1=0.9, beta2=0.999,
@@ -52,7 +54,7 @@ def main():
     def per_param_kernels():  # what the step runs: one call per (large) parameter, in place
         for i, (p, g) in enumerate(zip(ps, grads)):
             s = slice(b.offsets[i], b.offsets[i] + b.numels[i])
-            kernel(b.master[s], g.view(-1), b.exp_avg[s], b.exp_avg_sq[s], p.detach().view(-1), c, None, **kw)
+            kernel(b.segment(s.start, s.stop), g.view(-1), p.detach().view(-1), c, seed, None, None, **kw)
 
     flat_grad = torch.cat([g.view(-1) for g in grads])
     flat_out = torch.empty(n, dtype=torch.float16)
@@ -65,8 +67,8 @@ def main():
         "halfadam fused step (fp16 params)": opt.step,
         "  per-step scalars (eager 0-d ops)": coeffs,
         "  compiled kernel, one call per parameter": per_param_kernels,
-        "(same kernel over one flat buffer)": lambda: kernel(b.master, flat_grad, b.exp_avg, b.exp_avg_sq, flat_out,
-                                                             c, None, **kw),
+        "(same kernel over one flat buffer)": lambda: kernel(b.segment(0, n), flat_grad, flat_out, c, seed, None, None,
+                                                             **kw),
         "torch.optim.AdamW(fused=True) fp32": topt.step,
         "copy 14 B/param -> 14 B/param (bandwidth floor)": lambda: dst.copy_(src[: n * 7 // 2]),
     }

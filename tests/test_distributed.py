@@ -334,8 +334,54 @@ def scenario_dcp(rank, out):
     }
 
 
+def scenario_state_modes(rank, out):
+    """Compact state: DDP and ZeRO-1 (state_mode="compact", bf16 parameters) and FSDP2 (bfloat16 moments,
+    the elementwise encodings DTensor parameters support), all fed DDP's averaged gradients."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor import distribute_tensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = make_data()
+    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    bf16_moments = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    a = make_model(torch.bfloat16)
+    ddp = DDP(a, gradient_as_bucket_view=True)
+    opt_a = make_opt(ddp.parameters(), state_mode="compact")
+    b = make_model(torch.bfloat16)
+    zero = ZeroRedundancyOptimizer(b.parameters(), optimizer_class=halfadam.AdamW, lr=LR, weight_decay=WD,
+                                   state_mode="compact")
+    c = _fsdp(make_model(torch.bfloat16))
+    opt_c = make_opt(c.parameters(), **bf16_moments, **SAME_EXECUTION)
+    d = make_model(torch.bfloat16)  # the unsharded reference of FSDP2's run
+    opt_d = make_opt(d.parameters(), **bf16_moments, **SAME_EXECUTION)
+    for t in range(STEPS):
+        for o in (opt_a, zero, opt_c, opt_d):
+            o.zero_grad(set_to_none=True)
+        loss_fn(ddp, x[t, rows], y[t, rows]).backward()
+        for pa, pb, pc, pd in zip(a.parameters(), b.parameters(), c.parameters(), d.parameters()):
+            pb.grad, pd.grad = pa.grad.clone(), pa.grad.clone()
+            pc.grad = distribute_tensor(pa.grad.clone(), pc.device_mesh, pc.placements)
+        for o in (opt_a, zero, opt_c, opt_d):
+            o.step()
+    try:
+        make_opt(c.parameters(), state_mode="compact")
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {
+        "replicas_equal": same_on_all_ranks(list(a.parameters())),
+        "zero_equal_ddp": all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters())),
+        "ddp_state_keys": sorted(opt_a.state[next(iter(a.parameters()))]),
+        "fsdp_equal_unsharded": all(torch.equal(full(pc), pd) for pc, pd in zip(c.parameters(), d.parameters())),
+        "fsdp_exp_avg": [(hd.is_dtensor(opt_c.state[pc]["exp_avg"]), str(opt_c.state[pc]["exp_avg"].dtype))
+                         for pc in c.parameters()],
+        "fsdp_compact_refused": refused,
+    }
+
+
 SCENARIOS = {
     "fp32": scenario_fp32,
+    "state_modes": scenario_state_modes,
     "fp16": lambda r, o: scenario_half(r, o, "fp16"),
     "bf16": lambda r, o: scenario_half(r, o, "bf16"),
     "overflow": scenario_overflow,
@@ -534,3 +580,14 @@ def test_example_runs_data_parallel_on_cpu(launcher, mode, dtype):
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert f"done: {mode}, {dtype}, 2 processes" in proc.stdout
     assert losses[-1] < losses[0]
+
+
+def test_state_modes_ddp_zero_fsdp(runs):
+    for r in result(runs, "state_modes"):
+        assert r["replicas_equal"]
+        assert r["zero_equal_ddp"]  # each ZeRO rank encodes its own shard's state exactly as DDP does
+        assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax",
+                                       "master_low", "master_tie", "step"]
+        assert r["fsdp_equal_unsharded"]
+        assert r["fsdp_exp_avg"] == [(True, "torch.bfloat16")] * 4
+        assert "DTensor" in r["fsdp_compact_refused"] and "state_mode='fp32'" in r["fsdp_compact_refused"]

@@ -35,6 +35,7 @@ HELP = "time one optimizer step of each halfadam implementation against torch.op
 BYTES_PER_PARAM = 28
 IMPLS = ("reference", "foreach", "fused")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+STATE_MODES = ("fp32", "split", "bf16", "compact")  # halfadam.encodings.PRESETS
 TORCH_VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
@@ -65,7 +66,9 @@ def _make_params(numel: int, tensors: int, dtype: torch.dtype, device: str, seed
     return params
 
 
-def _memory_bytes(opt: torch.optim.Optimizer) -> int:
+def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
+    """Bytes of the optimizer's state (0-d step counters included) and, with ``scratch``, of its flat
+    scratch buffers; a storage shared by several tensors counts once."""
     seen, total = set(), 0
 
     def add(t):
@@ -79,7 +82,7 @@ def _memory_bytes(opt: torch.optim.Optimizer) -> int:
     for st in opt.state.values():
         for v in st.values():
             add(v)
-    for layout in getattr(opt, "_layouts", {}).values():
+    for layout in getattr(opt, "_layouts", {}).values() if scratch else ():
         for b in layout.buckets:
             for buf in b.scratch_buffers():
                 add(buf)
@@ -104,9 +107,11 @@ def measure(args) -> List[Dict[str, Any]]:
                             torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)))
         for dname in args.dtypes:
             for impl in args.impls:
-                params = _make_params(case["numel"], case["tensors"], DTYPES[dname], args.device, 0)
-                configs.append((dict(impl=f"halfadam {impl}", dtype=dname),
-                                halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl)))
+                for mode in args.state_modes:
+                    params = _make_params(case["numel"], case["tensors"], DTYPES[dname], args.device, 0)
+                    configs.append((dict(impl=f"halfadam {impl}", dtype=dname, state=mode),
+                                    halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl,
+                                                   state_mode=mode)))
         times: Dict[int, List[float]] = {i: [] for i in range(len(configs))}
         first: Dict[int, float] = {}
         for r in range(args.warmup + args.repeat):
@@ -129,14 +134,20 @@ def measure(args) -> List[Dict[str, Any]]:
                              threads=torch.get_num_threads(),
                              **label, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
                              gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
-                             first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20))
+                             first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
+                             state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
         for row in rows:
             if row["case"] == case["name"]:
                 row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused
-        ref = {r["dtype"]: r["ms"] for r in rows if r["case"] == case["name"] and r["impl"] == "halfadam reference"}
-        for row in rows:
-            if row["case"] == case["name"] and row["dtype"] in ref and row["impl"].startswith("halfadam"):
-                row["speedup_vs_reference"] = ref[row["dtype"]] / row["ms"]
+        here = [r for r in rows if r["case"] == case["name"]]
+        ref = {(r["dtype"], r["state"]): r["ms"] for r in here if r["impl"] == "halfadam reference"}
+        fp32_state = {(r["dtype"], r["impl"]): r["ms"] for r in here if r.get("state") == "fp32"}
+        for row in here:
+            key = (row["dtype"], row.get("state"))
+            if key in ref and row["impl"].startswith("halfadam"):
+                row["speedup_vs_reference"] = ref[key] / row["ms"]
+            if (row["dtype"], row["impl"]) in fp32_state and row["impl"].startswith("halfadam"):
+                row["vs_fp32_state"] = row["ms"] / fp32_state[(row["dtype"], row["impl"])]
         del configs
         gc.collect()
         if not args.json:
@@ -145,13 +156,14 @@ def measure(args) -> List[Dict[str, Any]]:
 
 
 def _table(rows: List[Dict[str, Any]]) -> str:
-    head = ["case", "implementation", "dtype", "ms/step", "ns/param", "GB/s", "x torch fused", "x faster than ref",
-            "1st step s", "opt MB"]
+    head = ["case", "implementation", "dtype", "state", "ms/step", "ns/param", "GB/s", "x torch fused",
+            "x faster than ref", "x fp32 state", "state B/param", "1st step s", "opt MB"]
     lines = [head]
     for r in rows:
-        sp = r.get("speedup_vs_reference")
-        lines.append([r["case"], r["impl"], r["dtype"], f"{r['ms']:.2f}", f"{r['ns_per_param']:.3f}",
+        sp, fs = r.get("speedup_vs_reference"), r.get("vs_fp32_state")
+        lines.append([r["case"], r["impl"], r["dtype"], r.get("state", "-"), f"{r['ms']:.2f}", f"{r['ns_per_param']:.3f}",
                       f"{r['gb_per_s']:.1f}", f"{r['vs_torch_fused']:.2f}", "" if sp is None else f"{sp:.1f}",
+                      "" if fs is None else f"{fs:.2f}", f"{r['state_bytes_per_param']:.2f}",
                       f"{r['first_step_s']:.2f}", f"{r['memory_mb']:.0f}"])
     widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(l, widths)) for l in lines) + "\n"
@@ -166,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-small", action="store_true", help="skip the many-small-tensors case (2000 tensors, 2M)")
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES), help="fp16,bf16,fp32")
     parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS), help="reference,foreach,fused")
+    parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else s.split(","),
+                        default=["fp32", "compact"],
+                        help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "
+                             "(default fp32,compact); 'x fp32 state' is each row's time over the fp32-state one")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (the first compiles)")
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds; the median is reported")
     parser.add_argument("--threads", type=int, default=None,
@@ -195,6 +211,10 @@ def run(args) -> int:
     for i in args.impls:
         if i not in IMPLS:
             print(f"halfadam bench: unknown implementation {i!r} (choose from {list(IMPLS)})", file=sys.stderr)
+            return 2
+    for m in args.state_modes:
+        if m not in STATE_MODES:
+            print(f"halfadam bench: unknown state mode {m!r} (choose from {list(STATE_MODES)}, or all)", file=sys.stderr)
             return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)

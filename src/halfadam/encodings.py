@@ -481,7 +481,8 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
         if dtype == torch.float64:
             dtype = torch.float32
         if dtype not in MOMENT_DTYPES:
-            raise ValueError(f"{name} has dtype {dtype}, which is no state encoding (float32, bfloat16, uint8)")
+            raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
+                             f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
     return StateFormat("split" if "master_low" in state else "fp32", *dtypes)
 

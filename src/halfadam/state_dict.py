@@ -413,7 +413,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         has_master = "master_weight" in saved or "master_low" in saved
         if has_master and not use_master:
             raise CheckpointError(
-                f"{where}: the checkpoint has a master weight but this optimizer keeps none for this parameter "
+                f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_low'}) "
+                f"but this optimizer keeps none for this parameter "
                 f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
                 f"fp32 weights with load_master_state_dict"
             )

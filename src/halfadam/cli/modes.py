@@ -20,11 +20,12 @@ class Mode:
     optimizer: str  # "torch" (torch.optim.AdamW) or "halfadam" (halfadam.AdamW)
     loss_scaler: str | None  # None or "halfadam" (halfadam.GradScaler)
     description: str
+    state_mode: str = "fp32"  # halfadam's state_mode (halfadam.encodings.PRESETS)
 
     def make_optimizer(self, param_groups, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """Build this mode's optimizer over ``param_groups`` (same hyperparameters for every mode)."""
         if self.optimizer == "halfadam":
-            return halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay)
+            return halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay, state_mode=self.state_mode)
         return torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay)
 
     def make_scaler(self, device: torch.device):
@@ -59,6 +60,15 @@ _MODE_LIST = [
         "halfadam",
         None,
         "halfadam.AdamW (fp32 master weights) on bfloat16 parameters, no loss scaling needed",
+    ),
+    Mode(
+        "bf16-halfadam-compact",
+        torch.bfloat16,
+        "halfadam",
+        None,
+        "halfadam.AdamW(state_mode='compact') on bfloat16 parameters: split master weights (bf16 + 16 bits) and "
+        "8-bit block-wise moments, 4.07 bytes of state per parameter",
+        state_mode="compact",
     ),
 ]
 

@@ -15,6 +15,7 @@ _STYLE = {
     "bf16-naive": dict(color="tab:orange", ls="--"),
     "fp16-halfadam": dict(color="tab:blue", ls="-"),
     "bf16-halfadam": dict(color="tab:green", ls=":"),
+    "bf16-halfadam-compact": dict(color="tab:purple", ls="-."),
 }
 
 
