@@ -12,6 +12,12 @@ mixed-precision or fp32 AdamW step must move (read grad, read+write weight, mome
 the ratio to ``torch.optim.AdamW(fused=True)`` on fp32; and the optimizer's memory (state plus its
 flat scratch buffers, distinct storages counted once).
 
+``--peers`` adds a row per peer of :mod:`halfadam.cli.peers` whose package is installed (optimi with
+Kahan summation, torchao's bf16 stochastic-rounding and 8-bit AdamW, bitsandbytes' 8-bit AdamW,
+DeepSpeed's CPU Adam), timed in the same rounds on tensors of the same sizes and seed, bfloat16
+parameters and gradients (float32 for DeepSpeed's CPU Adam, which steps ZeRO-Offload's float32 master
+copy); a peer that is missing or fails one step is skipped with one line on stderr.
+
 Use ``python -m halfadam.bench`` or ``python benchmarks/bench_step.py``. The module follows the
 ``halfadam.cli`` command protocol (``HELP``, ``add_arguments(parser)``, ``run(args) -> int``), so
 ``halfadam bench`` is the entry ``"bench": "halfadam.bench"`` in ``halfadam.cli.COMMANDS``.
@@ -28,6 +34,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
@@ -74,10 +82,11 @@ def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
     def add(t):
         nonlocal total
         if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
+            for part in tensor_parts(t):  # a tensor subclass (torchao's 8-bit state): what it holds
+                s = part.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
 
     for st in opt.state.values():
         for v in st.values():
@@ -98,6 +107,7 @@ def measure(args) -> List[Dict[str, Any]]:
     """Time every configuration; returns one dict per (case, implementation, dtype)."""
     import halfadam
 
+    peers = [PEERS[name] for name in getattr(args, "peer_names", [])]
     rows = []
     for case in _cases(args):
         configs = []  # (label dict, optimizer)
@@ -112,6 +122,10 @@ def measure(args) -> List[Dict[str, Any]]:
                     configs.append((dict(impl=f"halfadam {impl}", dtype=dname, state=mode),
                                     halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl,
                                                    state_mode=mode)))
+        for peer in peers:
+            params = _make_params(case["numel"], case["tensors"], peer.param_dtype, args.device, 0)
+            dname = next(k for k, v in DTYPES.items() if v == peer.param_dtype)
+            configs.append((dict(impl=peer.label, dtype=dname), peer.build(params, lr=1e-3, weight_decay=0.01)))
         times: Dict[int, List[float]] = {i: [] for i in range(len(configs))}
         first: Dict[int, float] = {}
         for r in range(args.warmup + args.repeat):
@@ -187,6 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for the run (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
+    parser.add_argument("--peers", action="store_true",
+                        help="also time the optimizers a user would pick instead of halfadam, each only if its "
+                             "package is installed: " + ", ".join(f"{p.source} ({p.package})" for p in PEERS.values()))
     return parser
 
 
@@ -218,6 +235,10 @@ def run(args) -> int:
             return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    args.peer_names = []
+    if getattr(args, "peers", False):
+        log = lambda line: print(f"halfadam bench: {line}", file=sys.stderr)  # noqa: E731 - stdout may be JSON
+        args.peer_names = select_peers([], add=True, bench=True, device=args.device, log=log)
     rows = measure(args)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -327,7 +327,8 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
         lo = torch.floor(255 + torch.log2(y) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
         v_lo, v_hi = levels[lo], levels[lo + 1]
         p = ((y - v_lo) / (v_hi - v_lo)).clamp(0, 1)
-        codes = torch.where(y > 0, lo + (_uniform(y, seed, _SALT[name]) < p).to(torch.int64), 0)
+        # nonzero never to 0: test the value itself (v / absmax can underflow to 0 when absmax is huge)
+        codes = torch.where(blocks > 0, lo + (_uniform(y, seed, _SALT[name]) < p).to(torch.int64), 0)
     stored[name].copy_(codes.view(-1).to(torch.uint8))
     stored[f"{name}_absmax"].copy_(absmax.view(-1))
 

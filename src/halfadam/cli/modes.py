@@ -1,4 +1,8 @@
-"""The precision modes that ``halfadam train`` compares, and how each builds its optimizer and scaler."""
+"""The precision modes that ``halfadam train`` compares, and how each builds its optimizer and scaler.
+
+Besides :data:`MODES` (the default), ``--modes`` accepts the name of every peer of
+:mod:`halfadam.cli.peers` whose package is installed (``--peers`` adds them all).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import torch
 
 import halfadam
 
-__all__ = ["MODES", "Mode", "parse_modes"]
+from .peers import PEERS, Peer, installed
+
+__all__ = ["MODES", "Mode", "get_mode", "parse_modes"]
 
 
 @dataclass(frozen=True)
@@ -17,13 +23,23 @@ class Mode:
 
     name: str
     param_dtype: torch.dtype
-    optimizer: str  # "torch" (torch.optim.AdamW) or "halfadam" (halfadam.AdamW)
+    optimizer: str  # "torch" (torch.optim.AdamW), "halfadam" (halfadam.AdamW) or "peer" (``peer``'s)
     loss_scaler: str | None  # None or "halfadam" (halfadam.GradScaler)
     description: str
     state_mode: str = "fp32"  # halfadam's state_mode (halfadam.encodings.PRESETS)
+    peer: Peer | None = None
+
+    @property
+    def source(self) -> str:
+        """The optimizer class, e.g. ``halfadam.AdamW``."""
+        if self.peer is not None:
+            return self.peer.source
+        return "halfadam.AdamW" if self.optimizer == "halfadam" else "torch.optim.AdamW"
 
     def make_optimizer(self, param_groups, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """Build this mode's optimizer over ``param_groups`` (same hyperparameters for every mode)."""
+        if self.peer is not None:
+            return self.peer.build(param_groups, lr=lr, weight_decay=weight_decay)
         if self.optimizer == "halfadam":
             return halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay, state_mode=self.state_mode)
         return torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay)
@@ -75,11 +91,23 @@ _MODE_LIST = [
 #: All modes by name, in their canonical order (the default for ``--modes``).
 MODES: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
 
+#: The peers as modes (never a default; see :mod:`halfadam.cli.peers`).
+PEER_MODES: dict[str, Mode] = {
+    p.name: Mode(p.name, p.param_dtype, "peer", None, p.description, peer=p)
+    for p in PEERS.values() if not p.bench_only
+}
+
+
+def get_mode(name: str) -> Mode:
+    """The mode or peer mode called ``name``."""
+    return MODES[name] if name in MODES else PEER_MODES[name]
+
 
 def parse_modes(text: str) -> list[Mode]:
-    """Parse a comma-separated list of mode names (``all`` for every mode); duplicates are dropped.
+    """Parse a comma-separated list of mode names (``all`` for every mode of :data:`MODES`); duplicates
+    are dropped. A peer's name is accepted when its package is installed.
 
-    Raises ``ValueError`` naming the unknown mode and the valid choices.
+    Raises ``ValueError`` naming the unknown mode and the valid choices, or the missing package.
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -88,8 +116,11 @@ def parse_modes(text: str) -> list[Mode]:
         return list(MODES.values())
     modes: list[Mode] = []
     for name in names:
-        if name not in MODES:
-            raise ValueError(f"unknown mode {name!r} (choose from {', '.join(MODES)}, or all)")
-        if MODES[name] not in modes:
-            modes.append(MODES[name])
+        if name in PEER_MODES and not installed(PEER_MODES[name].peer):
+            package = PEER_MODES[name].peer.package
+            raise ValueError(f"mode {name} needs the package {package}, which is not installed (pip install {package})")
+        if name not in MODES and name not in PEER_MODES:
+            raise ValueError(f"unknown mode {name!r} (choose from {', '.join([*MODES, *PEER_MODES])}, or all)")
+        if get_mode(name) not in modes:
+            modes.append(get_mode(name))
     return modes

@@ -15,7 +15,12 @@ _STYLE = {
     "bf16-naive": dict(color="tab:orange", ls="--"),
     "fp16-halfadam": dict(color="tab:blue", ls="-"),
     "bf16-halfadam": dict(color="tab:green", ls=":"),
-    "bf16-halfadam-compact": dict(color="tab:purple", ls="-."),
+    "bf16-halfadam-compact": dict(color="tab:cyan", ls="-."),
+    # --peers (halfadam.cli.peers)
+    "bf16-optimi-kahan": dict(color="tab:purple", ls="-."),
+    "bf16-torchao-sr": dict(color="tab:brown", ls="-."),
+    "bf16-torchao-8bit": dict(color="tab:pink", ls="-."),
+    "bf16-bnb-8bit": dict(color="tab:olive", ls="-."),
 }
 
 
@@ -64,8 +69,9 @@ def format_table(results: dict[str, dict]) -> str:
             out.append(f"{name}: loss not finite after {k} step{'s' * (k != 1)}, stopped{why}")
     out.append(
         "train loss: mean of the last 10 steps; val loss: fixed held-out set; dist: ||w - w_fp32|| / ||w_fp32||\n"
-        "of the final weights; state: bytes of optimizer.state tensors per parameter element; ms/step: mean\n"
-        "forward+backward+step time, leaving out the first step (state allocation, compilation)."
+        "of the final weights; state: bytes of optimizer.state tensors per parameter element (what a tensor\n"
+        "subclass stores, shared tensors once); ms/step: mean forward+backward+step time, leaving out the\n"
+        "first step (state allocation, compilation)."
     )
     return "\n".join(out)
 

@@ -16,7 +16,12 @@ Choices worth knowing when reading the numbers:
   before the step, so all modes see the same rates even when the loss scaler skips a step.
 * Optimizer state bytes count every per-element tensor in ``optimizer.state`` (the 0-d ``step``
   counters are left out): 8 bytes/parameter for torch's AdamW in fp32, 12 for halfadam on fp16/bf16
-  (fp32 master weight, ``exp_avg`` and ``exp_avg_sq``).
+  (fp32 master weight, ``exp_avg`` and ``exp_avg_sq``). A tensor subclass counts as the tensors it
+  holds (torchao's 8-bit state: codes, scales, code table), and a tensor shared between parameters
+  (bitsandbytes' code tables) once.
+* ``--peers`` adds the optimizers a user would pick instead of halfadam (:mod:`halfadam.cli.peers`:
+  optimi with Kahan summation, torchao's bf16 stochastic-rounding and 8-bit AdamW, bitsandbytes'
+  8-bit AdamW), each only if its package is installed, as more modes of the same run.
 * ``--nproc N`` trains data-parallel in N CPU processes (``DistributedDataParallel`` over gloo, started
   by :func:`halfadam.distributed.launch`): every process builds the same model and batch plan, takes
   its 1/N slice of each batch and back-propagates its share of the batch's mean loss; DDP sums the
@@ -48,7 +53,8 @@ import halfadam
 from . import data as data_mod
 from .errors import CLIError
 from .models import CharGPT, DigitsMLP, relative_distance, set_compute_dtype
-from .modes import MODES, Mode, parse_modes
+from .modes import MODES, PEER_MODES, Mode, get_mode, parse_modes
+from .peers import select as select_peers, tensor_parts
 
 HELP = "train one model in several precision modes and compare them with float32"
 
@@ -124,7 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", metavar="PATH",
                         help="text file for char-lm (default: the Python standard library's .py sources)")
     parser.add_argument("--modes", type=_modes, default=list(MODES.values()), metavar="LIST",
-                        help=f"comma-separated modes to run (default: all = {','.join(MODES)})")
+                        help=f"comma-separated modes to run (default: all = {','.join(MODES)}); also the "
+                             f"--peers names whose package is installed")
+    parser.add_argument("--peers", action="store_true",
+                        help="also train the optimizers a user would pick instead of halfadam, each only if its "
+                             "package is installed (else one line says which is missing): "
+                             + ", ".join(f"{m.name} ({m.peer.source}, package {m.peer.package})"
+                                         for m in PEER_MODES.values()))
     def per_task(key: str) -> str:
         return "default: " + ", ".join(f"{task} {TASK_DEFAULTS[task][key]:g}" for task in TASKS)
 
@@ -198,6 +210,7 @@ class TrainConfig:
     save_every: int | None = None
     resume: str | None = None
     nproc: int = 1
+    peers: bool = False
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -252,6 +265,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         save=args.save,
         save_every=args.save_every,
         resume=args.resume,
+        peers=getattr(args, "peers", False),
     )
     if args.save_every and not args.save:
         raise CLIError("--save-every needs --save DIR")
@@ -308,14 +322,24 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out)."""
+    """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out).
+
+    A tensor subclass counts as the plain tensors it holds (:func:`halfadam.cli.peers.tensor_parts`;
+    torchao's 8-bit state poses as bfloat16), and a tensor held by several entries (bitsandbytes shares
+    its code tables between parameters) counts once.
+    """
     total = 0
+    seen = set()
 
     def visit(value):
         nonlocal total
         if torch.is_tensor(value):
             if value.dim() > 0:
-                total += value.numel() * value.element_size()
+                for part in tensor_parts(value):
+                    key = (part.data_ptr(), part.nbytes)
+                    if key not in seen:
+                        seen.add(key)
+                        total += part.nbytes
         elif isinstance(value, dict):
             for v in value.values():
                 visit(v)
@@ -338,7 +362,7 @@ def _lr_schedule(cfg: TrainConfig):
 
 
 #: Options that may differ between a run and its --resume (all others must match).
-_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc")
+_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers")
 
 
 def _run_identity(cfg: TrainConfig) -> dict:
@@ -478,7 +502,10 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         x, y = dataset.batch(plan[step].chunk(world)[rank] if world > 1 else plan[step], device)
         lr = schedule(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            if torch.is_tensor(group["lr"]):  # torchao keeps lr as a tensor and refuses a float
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         _sync(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -544,7 +571,7 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
     metrics = {
         "description": mode.description,
         "param_dtype": str(mode.param_dtype).removeprefix("torch."),
-        "optimizer": "halfadam.AdamW" if mode.optimizer == "halfadam" else "torch.optim.AdamW",
+        "optimizer": mode.source,
         "loss_scaler": "halfadam.GradScaler" if mode.loss_scaler else None,
         "final_train_loss": sum(tail) / len(tail),
         "final_val_loss": val_losses[-1],
@@ -698,6 +725,11 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
     from . import report
 
     lead = rank == 0
+    skipped: list[str] = []  # peers that cannot run here, one line each
+    if cfg.peers or any(name in PEER_MODES for name in cfg.modes):
+        cfg.modes = select_peers(cfg.modes, add=cfg.peers, device=device, log=skipped.append)
+        if not cfg.modes:
+            raise CLIError("no mode left to run: " + "; ".join(skipped))
     fresh = _check_resume(cfg) if cfg.resume else []
     if lead:
         _make_out(out)
@@ -718,6 +750,8 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
                   f"per step")
         print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
               f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+        for line in skipped:
+            print(f"  {line}", flush=True)
         if fresh:
             print(f"  resume: from {cfg.resume}; no checkpoint yet, so from scratch: {', '.join(fresh)}", flush=True)
 
@@ -725,7 +759,7 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
     weights: dict[str, tuple] = {}
     started = time.perf_counter()
     for name in cfg.modes:
-        results[name], weights[name] = train_mode(MODES[name], base_model, dataset, plan, cfg, device, rank, world)
+        results[name], weights[name] = train_mode(get_mode(name), base_model, dataset, plan, cfg, device, rank, world)
     if not lead:
         return 0
 

@@ -1,0 +1,203 @@
+"""The optimizers a user would pick instead of halfadam ("peers"), for ``halfadam train/bench --peers``.
+
+Each :class:`Peer` names its mode, its package and class, how to build its optimizer and the state it
+keeps. None is a dependency of halfadam: a peer runs only when its package is installed (otherwise
+:func:`select` prints one line and skips it), and only when asked for (``--peers``, or its name in
+``halfadam train --modes``). Every peer gets the hyperparameters of the other modes: torch's AdamW
+defaults ``betas=(0.9, 0.999)``, ``eps=1e-8``, and decoupled weight decay ``w <- w * (1 - lr * wd)``.
+
+State bytes are counted by :func:`tensor_parts`: a tensor subclass (torchao's ``OptimState8bit``)
+reports the dtype it poses as (bfloat16, so ``numel * element_size`` says 2 bytes per element), not
+what it stores (uint8 codes, float32 block scales and a float32 code table), so its inner tensors
+are counted instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["PEERS", "Peer", "installed", "select", "tensor_parts"]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One peer optimizer: its mode name, where it comes from, and how to build it."""
+
+    name: str  # the mode / row name, e.g. "bf16-optimi-kahan"
+    package: str  # the pip package, e.g. "torch-optimi"
+    module: str  # the top-level import name, e.g. "optimi"
+    source: str  # the class, e.g. "optimi.AdamW(kahan_sum=True)"
+    description: str  # what it is and the state it keeps
+    build: Callable[..., torch.optim.Optimizer]  # build(params, *, lr, weight_decay)
+    param_dtype: torch.dtype = torch.bfloat16
+    probe: bool = False  # try one step on a small tensor before using it (it may not run here)
+    bench_only: bool = False
+
+    @property
+    def label(self) -> str:
+        """The short name of its ``halfadam bench`` row (``optimi kahan``)."""
+        return self.name.split("-", 1)[1].replace("-", " ")
+
+
+_BETAS, _EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's and halfadam.AdamW's defaults
+
+
+def _optimi_kahan(params, *, lr, weight_decay):
+    import optimi
+
+    # Weight decay: optimi.AdamW with decouple_lr=False (its default) decays w <- w * (1 - lr * wd)
+    # (optimi/adam.py: `weight_decay = 1 - lr * weight_decay`), torch.optim.AdamW's decoupled decay,
+    # so wd passes through unchanged (decouple_lr=True would decay by (lr / max_lr) * wd instead).
+    # optimi applies it with `param.mul_` on the bfloat16 weight, outside the Kahan compensation: a
+    # factor 1 - lr * wd within half a bfloat16 ulp of 1 (lr * wd < ~2e-3) rounds away, as in naive bf16.
+    # betas and eps are set to torch's defaults (optimi's own are (0.9, 0.99) and 1e-6).
+    return optimi.AdamW(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, kahan_sum=True)
+
+
+def _torchao(*names: str, **extra):
+    """A builder for the first class of ``names`` found in ``torchao.optim`` (torchao >= 0.11) or
+    ``torchao.prototype.low_bit_optim`` (older)."""
+
+    def build(params, *, lr, weight_decay):
+        for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
+            for name in names:
+                cls = getattr(_try_import(module), name, None)
+                if cls is not None:
+                    # torchao compiles its step per parameter shape; its 8-bit state class warns at each compile.
+                    warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
+                    # torchao decays w <- w - lr * wd * w in float32 (torchao/optim/adam.py), as torch's AdamW.
+                    return cls(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, **extra)
+        raise ImportError(f"torchao has none of {', '.join(names)} in torchao.optim or torchao.prototype.low_bit_optim")
+
+    return build
+
+
+def _try_import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def _bnb_8bit(params, *, lr, weight_decay):
+    import bitsandbytes as bnb
+
+    # bitsandbytes' AdamW decays p *= 1 - lr * wd (backends/*/ops.py), as torch's.
+    return bnb.optim.AdamW8bit(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay)
+
+
+def _deepspeed_cpu_adam(params, *, lr, weight_decay):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    # adamw_mode=True (the default) is decoupled decay, w -= lr * wd * w, as torch's.
+    return DeepSpeedCPUAdam(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, adamw_mode=True)
+
+
+_PEER_LIST = [
+    Peer("bf16-optimi-kahan", "torch-optimi", "optimi", "optimi.AdamW(kahan_sum=True)",
+         "optimi.AdamW with Kahan summation on bfloat16 parameters, no master weights: bf16 exp_avg, "
+         "exp_avg_sq and Kahan compensation (6 B/param)", _optimi_kahan),
+    Peer("bf16-torchao-sr", "torchao", "torchao", "torchao.optim._AdamW(bf16_stochastic_round=True)",
+         "torchao's AdamW with bf16 stochastic rounding on bfloat16 parameters, no master weights: bf16 "
+         "exp_avg and exp_avg_sq (4 B/param)",
+         # torchao 0.18 has no public AdamW: its README's bf16 stochastic-rounding AdamW is `_AdamW`.
+         _torchao("_AdamW", "AdamW", bf16_stochastic_round=True)),
+    Peer("bf16-torchao-8bit", "torchao", "torchao", "torchao.optim.AdamW8bit",
+         "torchao.optim.AdamW8bit on bfloat16 parameters, no master weights, round to nearest: 8-bit "
+         "block-quantized moments (uint8 codes, a float32 scale per 256 and a 1 KiB code table each: "
+         "~2.03 B/param; a tensor under 4096 elements or not a multiple of 256 keeps bf16 moments, 4 B/param)",
+         _torchao("AdamW8bit")),
+    Peer("bf16-bnb-8bit", "bitsandbytes", "bitsandbytes", "bitsandbytes.optim.AdamW8bit",
+         "bitsandbytes.optim.AdamW8bit on bfloat16 parameters, no master weights: 8-bit blockwise moments "
+         "(uint8, a float32 absmax per 256, two shared code tables: ~2.03 B/param; tensors under 4096 "
+         "elements keep float32 moments, 8 B/param)", _bnb_8bit, probe=True),
+    # The CPU half of ZeRO-Offload: it steps the float32 master copy on the CPU (the bf16 weights live on
+    # the GPU), so it is timed on float32 parameters and gradients.
+    Peer("fp32-deepspeed-cpuadam", "deepspeed", "deepspeed", "deepspeed.ops.adam.DeepSpeedCPUAdam",
+         "DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) on float32 parameters: float32 moments (8 B/param)",
+         _deepspeed_cpu_adam, param_dtype=torch.float32, probe=True, bench_only=True),
+]
+
+#: Every peer by name, in the order they are added.
+PEERS: dict[str, Peer] = {p.name: p for p in _PEER_LIST}
+
+
+def installed(peer: Peer) -> bool:
+    """Whether ``peer``'s package can be found (cheap: nothing is imported)."""
+    return importlib.util.find_spec(peer.module) is not None
+
+
+def _import(module: str) -> None:
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # torchao logs a warning per CUDA extension it cannot load
+    try:
+        importlib.import_module(module)
+    finally:
+        logging.disable(previous)
+
+
+def _probe(peer: Peer, device: torch.device | str) -> None:
+    """One step on a 4096-element tensor (the smallest that bitsandbytes steps in 8 bits); raises if it fails."""
+    p = torch.zeros(4096, dtype=peer.param_dtype, device=device, requires_grad=True)
+    p.grad = torch.full_like(p, 1e-3)
+    peer.build([p], lr=1e-3, weight_decay=0.0).step()
+
+
+def select(names: list[str], *, add: bool, bench: bool = False, device: torch.device | str = "cpu",
+           log: Callable[[str], None] | None = print) -> list[str]:
+    """``names`` with the peers that can run here: every peer appended when ``add`` (``--peers``).
+
+    A peer (named or added) whose package is missing, fails to import or, for a probed peer, fails one
+    step on ``device`` is left out with one line to ``log``. ``bench`` includes the bench-only peers.
+    """
+    wanted = list(names)
+    if add:
+        wanted += [p.name for p in _PEER_LIST if (bench or not p.bench_only) and p.name not in wanted]
+    out, ok = [], {}
+    for name in wanted:
+        peer = PEERS.get(name)
+        if peer is None:
+            out.append(name)
+            continue
+        if peer.module not in ok:
+            try:
+                _import(peer.module)
+                ok[peer.module] = None
+            except ImportError:
+                ok[peer.module] = f"{peer.package} is not installed (pip install {peer.package})"
+            except Exception as exc:  # an installed package that does not load against this torch
+                ok[peer.module] = f"import {peer.module} failed: {type(exc).__name__}: {_first_line(exc)}"
+        why = ok[peer.module]
+        if why is None and peer.probe:
+            try:
+                _probe(peer, device)
+            except Exception as exc:
+                why = f"one step of {peer.source} failed on {device}: {type(exc).__name__}: {_first_line(exc)}"
+        if why is None:
+            out.append(name)
+        elif log is not None:
+            log(f"--peers: skipped {name}: {why}")
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def tensor_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``t`` itself, or a tensor subclass's inner tensors.
+
+    A wrapper subclass (torchao's ``OptimState8bit``: ``codes``, ``scale``, ``qmap``) is opened through
+    ``__tensor_flatten__``, recursively.
+    """
+    if not hasattr(type(t), "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [part for name in names for part in tensor_parts(getattr(t, name))]
