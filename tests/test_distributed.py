@@ -587,7 +587,7 @@ def test_state_modes_ddp_zero_fsdp(runs):
         assert r["replicas_equal"]
         assert r["zero_equal_ddp"]  # each ZeRO rank encodes its own shard's state exactly as DDP does
         assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax",
-                                       "master_low", "master_tie", "step"]
+                                       "master_hi", "master_lo", "master_tie", "step"]
         assert r["fsdp_equal_unsharded"]
         assert r["fsdp_exp_avg"] == [(True, "torch.bfloat16")] * 4
         assert "DTensor" in r["fsdp_compact_refused"] and "state_mode='fp32'" in r["fsdp_compact_refused"]

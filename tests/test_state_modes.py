@@ -48,6 +48,18 @@ FP32_BYTES = {"fp32": 8.0, "split": 8.0, "bf16": 4.0, "compact": 2 + 8 / 128}
 
 
 @pytest.fixture(autouse=True, scope="module")
+
+def _encode(master, param, low, tie):
+    """``E._split_encode_`` with the 16-bit remainder gathered into one int16 tensor ``low`` (for checking)."""
+    hi, lo = torch.empty(low.shape, dtype=torch.int8), torch.empty(low.shape, dtype=torch.uint8)
+    E._split_encode_(master, param, hi, lo, tie)
+    low.copy_(hi.to(torch.int16) * 256 + lo.to(torch.int16))
+
+
+def _decode(param, low, tie):
+    """``E._split_decode`` from an int16 remainder ``low`` (split into the stored byte planes)."""
+    return E._split_decode(param, (low >> 8).to(torch.int8), (low & 255).to(torch.uint8), tie)
+
 def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -168,8 +180,8 @@ def test_split_trains_bit_for_bit_as_fp32(impl, steps):
     remainders = 0
     for (name, p32), ps in zip(m32.named_parameters(), ms.parameters()):
         s32, ss = o32.state[p32], os_.state[ps]
-        assert "master_weight" in s32 and "master_low" in ss and "master_weight" not in ss  # really split
-        assert ss["master_low"].dtype == torch.int16 and ss["master_tie"].dtype == torch.uint8
+        assert "master_weight" in s32 and "master_lo" in ss and "master_weight" not in ss  # really split
+        assert ss["master_hi"].dtype == torch.int8 and ss["master_lo"].dtype == torch.uint8 and ss["master_tie"].dtype == torch.uint8
         assert _same_bits(p32, ps), name
         master32, master_s = o32.master_weight(p32), os_.master_weight(ps)
         assert master_s.dtype == torch.float32 and master_s.shape == ps.shape
@@ -235,7 +247,7 @@ def test_split_bf16_round_trip_is_exact_bit_for_bit():
     param = torch.empty(n, dtype=torch.bfloat16)
     low = torch.full((n,), 123, dtype=torch.int16)  # stale values: every one must be overwritten
     tie = torch.full((n // 128,), 77, dtype=torch.uint8)
-    E._split_encode_(master, param, low, tie)
+    _encode(master, param, low, tie)
     assert torch.equal(_bits(param.float()), _bits(master.to(torch.bfloat16).float()))  # round to nearest even
     assert torch.equal(tie, expected_tie)  # 1 + the lane of the block's even tie, 0 for none
     # the remainder is the difference of bit patterns; the flagged tie stores -2**15 (decoded +2**16)
@@ -247,7 +259,7 @@ def test_split_bf16_round_trip_is_exact_bit_for_bit():
     assert torch.equal(diff[flagged], torch.full((int(flagged.sum()),), 32768))
     assert int(((diff == -32768) & ~flagged).sum()) >= 2 * 15  # odd ties fit the int16 as they are
     assert torch.equal(low.to(torch.int64), torch.where(flagged, -32768, diff))
-    decoded = E._split_decode(param, low, tie)
+    decoded = _decode(param, low, tie)
     assert decoded.dtype == torch.float32
     assert torch.equal(_bits(decoded), _bits(master))  # -0, infinities, subnormals and ties included
     # the values do span every magnitude
@@ -261,9 +273,9 @@ def test_split_bf16_second_tie_in_a_block_moves_one_ulp():
     first, second = 0x3F808000, 0x40028000  # 1.00390625 (halfway above bf16 1.0), 2.0390625 (above 2.03125)
     master[[5, 9]] = _f32(torch.tensor([first, second]))
     param, low, tie = _split_buffers(128, torch.bfloat16)
-    E._split_encode_(master, param, low, tie)
+    _encode(master, param, low, tie)
     assert tie.item() == 6 and low[5].item() == -32768 and low[9].item() == 32767
-    decoded = E._split_decode(param, low, tie)
+    decoded = _decode(param, low, tie)
     assert _u32(decoded[5]).item() == first and _u32(decoded[9]).item() == second - 1
     others = torch.ones(128, dtype=torch.bool)
     others[[5, 9]] = False
@@ -305,10 +317,10 @@ def test_split_fp16_round_trip_is_exact_in_the_normal_range():
     param = torch.empty(n, dtype=torch.float16)
     low = torch.full((n,), -5, dtype=torch.int16)
     tie = torch.full((n // 128,), 9, dtype=torch.uint8)
-    E._split_encode_(master, param, low, tie)
+    _encode(master, param, low, tie)
     assert torch.equal(param, master.to(torch.float16))
     assert torch.equal(tie, expected_tie)
-    decoded = E._split_decode(param, low, tie)
+    decoded = _decode(param, low, tie)
     assert torch.equal(_bits(decoded), _bits(master))
     assert (master != param.float()).float().mean() > 0.99  # almost every master has bits fp16 lacks
 
@@ -323,8 +335,8 @@ def test_split_fp16_below_the_normal_range_and_specials():
     sub[:4] = torch.tensor([0.0, -0.0, math.inf, -math.inf])
     sub[4:6] = torch.tensor([70000.0, -1e6])  # beyond fp16's range
     param, low, tie = _split_buffers(n, torch.float16)
-    E._split_encode_(sub, param, low, tie)
-    decoded = E._split_decode(param, low, tie)
+    _encode(sub, param, low, tie)
+    decoded = _decode(param, low, tie)
     err = (decoded[6:].double() - sub[6:].double()).abs()
     assert err.max() <= 2.0 ** -41
     assert err.max() > 0  # the bound is reached, not trivially met
@@ -340,12 +352,12 @@ def test_split_decode_after_writes_to_the_parameter(dtype):
     n = 1024
     master = torch.randn(n, generator=g) * 3
     param, low, tie = _split_buffers(n, dtype)
-    E._split_encode_(master, param, low, tie)
+    _encode(master, param, low, tie)
     assert (low != 0).float().mean() > 0.95  # remainders to go stale
     writes = {"+0": torch.zeros(n, dtype=dtype), "-0": torch.full((n,), -0.0, dtype=dtype), "-param": -param,
               "other values": (torch.randn(n, generator=g) * 100).to(dtype)}
     for name, written in writes.items():
-        decoded = E._split_decode(written, low, tie)
+        decoded = _decode(written, low, tie)
         assert not decoded.isnan().any(), name
         assert torch.equal(decoded.to(dtype), written), name
         w = written.double()
@@ -363,9 +375,9 @@ def test_split_decode_after_zero_or_sign_flip_writes_is_the_parameter(dtype):
     n = 1024
     master = torch.randn(n, generator=g) * 3
     param, low, tie = _split_buffers(n, dtype)
-    E._split_encode_(master, param, low, tie)
+    _encode(master, param, low, tie)
     for written in (torch.zeros(n, dtype=dtype), torch.full((n,), -0.0, dtype=dtype), -param):
-        decoded = E._split_decode(written, low, tie)
+        decoded = _decode(written, low, tie)
         assert torch.equal(decoded, written.float())
 
 
@@ -803,7 +815,7 @@ def test_checkpoint_fp32_to_split_keeps_moments_and_master():
     saved = torch.load(io.BytesIO(state), weights_only=True)
     opt.load_state_dict(saved)
     for i, p in enumerate(model.parameters()):
-        assert "master_low" in opt.state[p]
+        assert "master_lo" in opt.state[p]
         assert torch.equal(_bits(opt.master_weight(p)), _bits(saved["state"][i]["master_weight"]))
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], saved["state"][i][key])
@@ -825,7 +837,7 @@ def test_torch_adamw_state_dict_loads_into_compact():
     exported = opt.to_torch_state_dict()["state"]
     for i, (p, q) in enumerate(zip(model.parameters(), torch_model.parameters())):
         st = opt.state[p]
-        assert st["exp_avg"].dtype == torch.uint8 and st["master_low"].dtype == torch.int16
+        assert st["exp_avg"].dtype == torch.uint8 and st["master_lo"].dtype == torch.uint8
         assert st["step"].item() == N_SAVE
         for key, rel in (("exp_avg", 0.1), ("exp_avg_sq", 0.1)):
             ref = sd["state"][i][key]
@@ -844,9 +856,10 @@ def _hand_decode(p, st):
     n = p.numel()
     blocks = -(-n // 128)
     pad = blocks * 128 - n
-    if "master_low" in st:
+    if "master_lo" in st:
         assert p.dtype == torch.bfloat16
-        r = torch.cat([st["master_low"].reshape(-1).to(torch.int64), torch.zeros(pad, dtype=torch.int64)])
+        low = st["master_hi"].reshape(-1).to(torch.int64) * 256 + st["master_lo"].reshape(-1).to(torch.int64)
+        r = torch.cat([low, torch.zeros(pad, dtype=torch.int64)])
         for b, t in enumerate(st["master_tie"].tolist()):
             if t:
                 r[b * 128 + t - 1] += 65536
@@ -913,7 +926,7 @@ def test_save_and_load_checkpoint_compact(tmp_path):
 
 def _corruptions():
     def dtype_low(st):
-        st["master_low"] = st["master_low"].to(torch.int32)
+        st["master_lo"] = st["master_lo"].to(torch.int32)
 
     def absmax_length(st):
         st["exp_avg_absmax"] = torch.cat([st["exp_avg_absmax"], torch.ones(1)])
@@ -1079,7 +1092,7 @@ def test_model_half_after_bf16_steps_keeps_training():
     assert abs(after - losses["fp32"][1]) < 1e-3  # as the fp32 state continues (measured: 2e-5)
     for p in model.parameters():
         st = opt.state[p]
-        assert st["master_low"].dtype == torch.int16 and st["step"].item() == 40
+        assert st["master_lo"].dtype == torch.uint8 and st["step"].item() == 40
         m = opt.master_weight(p)
         assert m.dtype == torch.float32 and m.shape == p.shape and torch.equal(m.to(torch.float16), p)
     assert any((opt.master_weight(p) != p.float()).any() for p in model.parameters())
@@ -1127,7 +1140,7 @@ def test_overrides():
     opt.step()
     st = opt.state[p]
     assert st["exp_avg_sq"].dtype == torch.float32 and st["exp_avg"].dtype == torch.uint8
-    assert set(st) == {"step", "master_low", "master_tie", "exp_avg", "exp_avg_absmax", "exp_avg_sq"}
+    assert set(st) == {"step", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_absmax", "exp_avg_sq"}
     # first step: v = (1 - beta2) g^2, as torch.optim.AdamW computes it in float32
     q = p.detach().float().requires_grad_()
     q.grad = p.grad.float()

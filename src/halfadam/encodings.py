@@ -11,8 +11,10 @@ Bytes of state per parameter element (the ``step`` counter aside), by encoding:
 state              encoding (stored keys)              bytes / element    exact?
 =================  =================================  =================  ======================================
 master weight      ``"fp32"``: ``master_weight``        4                  yes
-master weight      ``"split"``: ``master_low`` (int16)  2 + 1/128          bf16: yes, bit for bit; fp16: yes for
-                   + ``master_tie`` (uint8 per block)                     masters in fp16's normal range
+master weight      ``"split"``: ``master_hi`` (int8),   2 + 1/128          bf16: yes, bit for bit; fp16: yes for
+                   ``master_lo`` (uint8): a 16-bit                        masters in fp16's normal range (one
+                   remainder; ``master_tie`` (uint8                       tie per block, see below)
+                   per block)
 exp_avg            ``float32``: ``exp_avg``             4                  yes
 exp_avg            ``bfloat16``                         2                  no: stochastic rounding
 exp_avg            ``uint8``: codes + ``exp_avg_absmax``  1 + 4/128        no: dynamic tree, nearest
@@ -161,7 +163,8 @@ def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     """The per-element state keys of ``fmt`` and their dtypes (the parameter's shape)."""
     keys: Dict[str, torch.dtype] = {}
     if has_master:
-        keys.update({"master_weight": torch.float32} if fmt.master == "fp32" else {"master_low": torch.int16})
+        keys.update({"master_weight": torch.float32} if fmt.master == "fp32"
+                    else {"master_hi": torch.int8, "master_lo": torch.uint8})
     keys["exp_avg"] = fmt.exp_avg
     keys["exp_avg_sq"] = fmt.exp_avg_sq
     return keys
@@ -251,44 +254,59 @@ _CONSTANTS: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
 
 # ---------------------------------------------------------------------------------- master weights
 def _split_remainder(master: Tensor, param: Tensor) -> Tensor:
-    """The remainder of ``master`` (fp32) over ``param`` (its rounding, fp16/bf16), int64 in [-2**15, 2**15]."""
+    """The remainder of ``master`` (fp32) over ``param`` (its rounding, fp16/bf16), int32 in [-2**15, 2**15]."""
     if param.dtype == torch.bfloat16:  # difference of bit patterns (same sign: the patterns' signs cancel)
-        return master.view(torch.int32).to(torch.int64) - param.view(torch.int16).to(torch.int64) * 65536
-    finite = param.isfinite()
+        return master.view(torch.int32) - _bits(param)
     r = torch.round((master - param.to(torch.float32)) / _fp16_ulp(param) * 65536.0)
-    return torch.where(finite, r, 0.0).to(torch.int64)
+    return torch.where(param.isfinite(), r, 0.0).to(torch.int32)
+
+
+# Bit manipulation goes through float32 and int32 (bf16 -> fp32 is exact, and a bf16 value's fp32
+# pattern is its own followed by 16 zero bits): Inductor's CPU code generator vectorizes those, while a
+# bitcast of a 16-bit float or any int16 load/store makes it emit scalar code (8-10x slower here); int64
+# arithmetic was 2.3x slower than int32. The 16-bit remainder is stored as two byte planes for the
+# same reason.
+def _bits(param: Tensor) -> Tensor:
+    """The float32 bit pattern of ``param``'s values (int32)."""
+    return param.to(torch.float32).view(torch.int32)
 
 
 def _fp16_ulp(param: Tensor) -> Tensor:
-    """The spacing of float16 values at ``param`` (float32): 2**(max(exponent, 1) - 25)."""
-    exponent = (param.view(torch.int16).to(torch.int32) & 0x7C00) >> 10
-    return ((torch.clamp(exponent, min=1) + (127 - 25)) << 23).view(torch.float32)
+    """The spacing of float16 values at ``param`` (float32): 2**(max(e, -14) - 10) for |param| in [2**e, 2**(e+1))."""
+    exponent = (param.to(torch.float32).view(torch.int32) >> 23) & 0xFF  # float32's biased exponent
+    return ((torch.clamp(exponent, min=127 - 14) - 10) << 23).view(torch.float32)
 
 
-def _split_decode(param: Tensor, low: Tensor, tie: Tensor) -> Tensor:
-    """The fp32 master from flat ``param`` (fp16/bf16), ``low`` (int16) and ``tie`` (uint8 per block).
+def _split_decode(param: Tensor, hi: Tensor, lo: Tensor, tie: Tensor) -> Tensor:
+    """The fp32 master from flat ``param`` (fp16/bf16), the remainder's bytes ``hi`` (int8) and ``lo``
+    (uint8), and ``tie`` (uint8 per block).
 
     Where the decoded value does not round to ``param`` (the parameter was written and the old
     remainder no longer fits it) the parameter's value is taken (the master-sync rule)."""
-    flagged = (torch.arange(BLOCK, device=low.device) == tie.view(-1, 1).to(torch.int64) - 1).view(-1)
-    r = low.to(torch.int64) + flagged.to(torch.int64) * 65536
+    lane = torch.arange(BLOCK, dtype=torch.int32, device=lo.device)
+    flagged = (lane == tie.view(-1, 1).to(torch.int32) - 1).view(-1)
+    r = hi.to(torch.int32) * 256 + lo.to(torch.int32) + flagged.to(torch.int32) * 65536
     if param.dtype == torch.bfloat16:
-        bits = param.view(torch.int16).to(torch.int64) * 65536 + r
-        master = bits.clamp(-(1 << 31), (1 << 31) - 1).to(torch.int32).view(torch.float32)
+        # a stale remainder over a parameter written to +-0 can carry the pattern across the sign bit:
+        # the result is then nan or of the other sign, and the check below takes the parameter
+        master = (_bits(param) + r).view(torch.float32)
     else:
         master = param.to(torch.float32) + r.to(torch.float32) * (_fp16_ulp(param) * (1.0 / 65536))
     return torch.where(master.to(param.dtype) == param, master, param.to(torch.float32))
 
 
-def _split_encode_(master: Tensor, param: Tensor, low: Tensor, tie: Tensor) -> None:
-    """Write ``round(master)`` into ``param`` and the remainder into ``low``/``tie`` (flat, block-padded)."""
-    param.copy_(master)
-    r = _split_remainder(master, param).view(-1, BLOCK)
+def _split_encode_(master: Tensor, param: Tensor, hi: Tensor, lo: Tensor, tie: Tensor) -> None:
+    """Write ``round(master)`` into ``param`` and the remainder into ``hi``/``lo``/``tie`` (flat, block-padded)."""
+    rounded = master.to(param.dtype)
+    param.copy_(rounded)
+    r = _split_remainder(master, rounded).view(-1, BLOCK)
     is_tie = r == 32768
-    lane = torch.arange(BLOCK, device=low.device)
+    lane = torch.arange(BLOCK, dtype=torch.int32, device=lo.device)
     first = torch.where(is_tie, lane, BLOCK).amin(dim=1, keepdim=True)
     tie.copy_(torch.where(first < BLOCK, first + 1, 0).view(-1).to(torch.uint8))
-    low.copy_(torch.where(is_tie & (lane == first), -32768, r.clamp(-32768, 32767)).view(-1).to(torch.int16))
+    r = torch.where(is_tie & (lane == first), -32768, r.clamp(-32768, 32767)).view(-1)
+    hi.copy_((r >> 8).to(torch.int8))
+    lo.copy_((r & 255).to(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------- moments
@@ -313,9 +331,9 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
     if dtype == torch.float32:
         return  # updated in place
     if dtype == torch.bfloat16:  # stochastic rounding: add 16 random bits below bf16's, truncate
-        bits = (x.view(torch.int32).to(torch.int64) & _MASK32) + (_random_bits(x, seed, _SALT[name]) >> 16)
-        upper = (bits >> 16) & 0xFFFF
-        stored[name].copy_(torch.where(upper >= 32768, upper - 65536, upper).to(torch.int16).view(torch.bfloat16))
+        bits = x.view(torch.int32).to(torch.int64) + (_random_bits(x, seed, _SALT[name]) >> 16)
+        truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value
+        stored[name].copy_(truncated.to(torch.bfloat16))
         return
     blocks = x.view(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1, keepdim=True)
@@ -358,7 +376,7 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
         weight = stored["master_weight"]
         sync_master_(weight, param)
     else:
-        weight = _split_decode(param, stored["master_low"], stored["master_tie"])
+        weight = _split_decode(param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
     m = _decode_moment(exp_avg, "exp_avg", stored, tables)
     v = _decode_moment(exp_avg_sq, "exp_avg_sq", stored, tables)
     adam_elementwise_(weight, grad, m, v, *coefficients, decay=decay, optimized_update=optimized_update)
@@ -368,7 +386,7 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
         if master == "fp32":
             param.copy_(weight)
         else:
-            _split_encode_(weight, param, stored["master_low"], stored["master_tie"])
+            _split_encode_(weight, param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
 
 
 # ---------------------------------------------------------------------------------- per parameter
@@ -384,7 +402,7 @@ def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Te
 
 
 def _has_master(state: Dict[str, Tensor]) -> bool:
-    return "master_weight" in state or "master_low" in state
+    return "master_weight" in state or "master_lo" in state
 
 
 def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
@@ -436,8 +454,8 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> D
     out = {}
     if "master_weight" in stored:
         out["master_weight"] = stored["master_weight"]
-    elif "master_low" in stored and param.dtype in _HALF:
-        out["master_weight"] = _split_decode(flat_param, stored["master_low"], stored["master_tie"])
+    elif "master_lo" in stored and param.dtype in _HALF:
+        out["master_weight"] = _split_decode(flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
     out["exp_avg"] = _decode_moment(fmt.exp_avg, "exp_avg", stored, tables_)
     out["exp_avg_sq"] = _decode_moment(fmt.exp_avg_sq, "exp_avg_sq", stored, tables_)
     n = param.numel()
@@ -466,10 +484,10 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
             _encode_moment_(dtype, name, pad(values[name]), stored, tables_, seed)
     if "master_weight" in stored:
         stored["master_weight"].copy_(pad(values["master_weight"]))
-    elif "master_low" in stored:
+    elif "master_lo" in stored:
         master = pad(values["master_weight"])  # the master-sync rule first: a parameter that differs wins
         master = torch.where(master.to(flat_param.dtype) == flat_param, master, flat_param.to(torch.float32))
-        _split_encode_(master, flat_param, stored["master_low"], stored["master_tie"])
+        _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
     _write_back(state, stored, None, flat_param)
 
 
@@ -485,7 +503,7 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
             raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
-    return StateFormat("split" if "master_low" in state else "fp32", *dtypes)
+    return StateFormat("split" if "master_lo" in state else "fp32", *dtypes)
 
 
 def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,

@@ -67,7 +67,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
             grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
         st["step"] += 1
-        pfmt = for_param(fmt, param, "master_weight" in st or "master_low" in st)
+        pfmt = for_param(fmt, param, "master_weight" in st or "master_lo" in st)
         if not pfmt.is_fp32:
             step = st["step"].item()
             coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,

@@ -222,7 +222,7 @@ class _AdamBase(torch.optim.Optimizer):
         if ea is None or ea.device != param.device or self._dtypes.get(id(param), param.dtype) != param.dtype:
             return False
         expected = self._state_dtypes(param, group)
-        present = [k for k in ("master_weight", "master_low", "exp_avg", "exp_avg_sq") if k in state]
+        present = [k for k in ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq") if k in state]
         return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
 
     def _state_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
@@ -252,7 +252,7 @@ class _AdamBase(torch.optim.Optimizer):
         """
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
-            master = param.detach().float() if old_dtype != param.dtype and "master_low" in state else None
+            master = param.detach().float() if old_dtype != param.dtype and "master_lo" in state else None
             fmt = self._format(param, group) if param.dtype != torch.float64 else encodings.StateFormat()
             new = encodings.convert_state(state, param, fmt, self._use_master(param, group), master)
             state.clear()
@@ -455,7 +455,7 @@ class _AdamBase(torch.optim.Optimizer):
 
         A split master (:mod:`halfadam.encodings`) is decoded into a new float32 tensor."""
         state = self._init_state(param, group)
-        if "master_low" in state:
+        if "master_lo" in state:
             return encodings.decode_state(self._format(param, group), param, state)["master_weight"]  # never a DTensor
         master = state.get("master_weight")
         if master is not None:

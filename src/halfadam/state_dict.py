@@ -7,7 +7,7 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        "master_weight": float32 tensor (only where the parameter has one),
                        "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
                        # other state modes store their encodings instead (halfadam.encodings):
-                       # "master_low" int16 + "master_tie" uint8 per block (split master),
+                       # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master),
                        # bfloat16 moments, or uint8 moments + "exp_avg_absmax"/"exp_avg_sq_absmax"
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
@@ -402,7 +402,7 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         use_master = group["master_weights"]
         if use_master is None:
             use_master = p.dtype in _HALF_DTYPES
-        encoded = {"master_low", "master_tie", "exp_avg_absmax", "exp_avg_sq_absmax"}
+        encoded = {"master_hi", "master_lo", "master_tie", "exp_avg_absmax", "exp_avg_sq_absmax"}
         allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} | encoded if kind == "halfadam" else set())
         unexpected = sorted(set(saved) - allowed)
         if unexpected:
@@ -410,10 +410,10 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
         if missing:
             raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
-        has_master = "master_weight" in saved or "master_low" in saved
+        has_master = "master_weight" in saved or "master_lo" in saved
         if has_master and not use_master:
             raise CheckpointError(
-                f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_low'}) "
+                f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_lo'}) "
                 f"but this optimizer keeps none for this parameter "
                 f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
                 f"fp32 weights with load_master_state_dict"
@@ -428,7 +428,7 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             except ValueError as exc:
                 raise CheckpointError(f"{where}: {exc}") from None
             if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
-                raise CheckpointError(f"{where}: the checkpoint has a split master (master_low), which needs a "
+                raise CheckpointError(f"{where}: the checkpoint has a split master (master_hi, master_lo), which needs a "
                                       f"float16/bfloat16 parameter")
         expected = encodings.element_keys(fmt, has_master)
         blocks = encodings.block_keys(fmt, has_master)
@@ -633,8 +633,8 @@ def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) 
     if not callable(getattr(optimizer, "sync_master_weights", None)):
         raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
     optimizer.sync_master_weights()
-    masters = {id(p): optimizer.master_weight(p) if "master_low" in st else st["master_weight"]
-               for p, st in optimizer.state.items() if "master_weight" in st or "master_low" in st}
+    masters = {id(p): optimizer.master_weight(p) if "master_lo" in st else st["master_weight"]
+               for p, st in optimizer.state.items() if "master_weight" in st or "master_lo" in st}
     source = model.state_dict(keep_vars=True)
     out: "OrderedDict[str, Tensor]" = OrderedDict()
     for key, value in source.items():
