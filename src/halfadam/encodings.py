@@ -439,8 +439,8 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
                    grad.new_zeros(flat_param.numel() - grad.numel(), dtype=torch.float32)])
     seed = torch.tensor(step, dtype=torch.int64, device=param.device)
     encoded_update_(stored, flat_param if has_master else None, g, coefficients, seed, tables(fmt, param.device),
-                    master=fmt.master,
-                    exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized_update)
+                    master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay,
+                    optimized_update=optimized_update)
     if not has_master:
         flat_param.copy_(stored.pop("weight"))
     _write_back(state, stored, param, flat_param)
