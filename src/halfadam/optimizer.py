@@ -40,6 +40,8 @@ class _AdamBase(torch.optim.Optimizer):
     * ``master_weight``: the float32 master copy, present when master weights are on for the parameter
       (by default: float16 and bfloat16 parameters).
 
+    Other state modes (``state_mode=``) store encodings instead: see :mod:`halfadam.encodings`.
+
     Per-group keys beyond torch's: ``lr_schedule`` and ``weight_decay_schedule`` (a callable of the
     global step, or ``None``), ``decay``, ``optimized_update``, ``master_weights`` and ``global_step``
     (steps taken by the optimizer; 0-based index of the next step, which schedules are evaluated at).
@@ -844,6 +846,14 @@ class AdamW(_AdamBase):
             fused, or foreach (with a one-time warning) where compiling fails. Parameters without a
             gradient leave gaps in the flat step; buckets whose step counts differ take the reference
             path that step.
+        state_mode: how the state is stored (:mod:`halfadam.encodings`), per fp16/bf16 parameter:
+            ``"fp32"`` (default: fp32 master, ``exp_avg``, ``exp_avg_sq``; 12 B), ``"split"`` (the
+            master as the parameter plus a 16-bit remainder: bf16 training bit for bit the same;
+            10.008 B), ``"bf16"`` (split, bf16 moments with stochastic rounding; 6.008 B) or
+            ``"compact"`` (split, 8-bit block-wise moments; 4.07 B).
+        store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype: override the preset's fields
+            (Megatron's names): split masters on/off; ``torch.float32``, ``torch.bfloat16`` or
+            ``torch.uint8`` (8-bit block-wise) for each moment.
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
@@ -854,13 +864,16 @@ class AdamW(_AdamBase):
             (name, tensor) pair nor a dict), ``lr`` (not a number, tensor, finite sequence or
             callable; a one-shot iterator; a dict), ``betas`` or ``eps`` (not floats),
             ``weight_decay`` (not a number or callable); both ``lr`` and ``learning_rate``; a group's
-            ``master_weights`` not None/bool or ``optimized_update`` not a bool.
+            ``master_weights`` not None/bool or ``optimized_update`` not a bool;
+            ``store_param_remainders`` not None/bool.
         ValueError: ``params`` empty or without any parameter; a parameter given twice; an
             ``expand()``-ed parameter (elements sharing memory); ``implementation`` not one of the
             four; lr or weight_decay negative; a beta outside (0.0, 1.0); eps <= 0; nan or inf in any
             of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
             the meta device; an unknown group key or a torch flag halfadam does not implement
-            (``maximize=True``, ``amsgrad=True``...); bad ``order_params``.
+            (``maximize=True``, ``amsgrad=True``...); bad ``order_params``; an unknown ``state_mode``
+            or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter with
+            split masters or uint8 moments (per-block state).
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
