@@ -1177,3 +1177,23 @@ def test_pickle_and_deepcopy_keep_the_state_format(how):
     assert all(torch.equal(a, b) for a, b in zip(params, cparams))
     _assert_same_state(opt, clone)
     assert clone.state[cparams[0]]["exp_avg"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("mode", ["split", "compact"])
+def test_load_master_state_dict_sets_split_masters_exactly(mode):
+    """fp32 weights loaded with load_master_state_dict become the masters bit for bit (the remainder is
+    encoded), as with fp32 masters; the bf16 parameters get their rounding."""
+    from halfadam.checkpoint import load_master_state_dict
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64).bfloat16()
+    opt = halfadam.AdamW(m.parameters(), lr=1e-3, state_mode=mode, implementation="reference")
+    for _ in range(3):
+        m(torch.randn(4, 64).bfloat16()).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    fp32 = {"weight": torch.randn(64, 64) * 0.1, "bias": torch.randn(64) * 0.1}
+    load_master_state_dict(m, fp32, optimizer=opt)
+    for name, p in m.named_parameters():
+        assert torch.equal(opt.master_weight(p), fp32[name])
+        assert torch.equal(p.detach(), fp32[name].bfloat16())

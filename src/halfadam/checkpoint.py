@@ -27,6 +27,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import encodings
 from .distributed import halfadam_optimizer
 from .state_dict import (CheckpointError, _commit_load, _prepare_load, _where, load_optimizer_state_dict,
                          master_state_dict, optimizer_state_dict, to_torch_state_dict)
@@ -150,8 +151,7 @@ def load_master_state_dict(
                 use_master = target.dtype in _HALF_DTYPES
             if use_master or optimizer.state.get(target):  # type: ignore[union-attr]
                 state = optimizer._init_state(target, group)  # type: ignore[union-attr]
-                if "master_weight" in state:
-                    state["master_weight"].copy_(value)
+                encodings.set_master_(target, state, value)  # an fp32 or a split master (its remainder)
 
 
 # ============================================================================ files

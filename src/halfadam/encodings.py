@@ -524,3 +524,19 @@ def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has
     encode_state_(fmt, param, new, values, float(step))
     new["step"] = step
     return new
+
+
+def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None:
+    """Make ``master`` (float32, the parameter's shape) the master weight in ``state``, whatever its
+    encoding (an fp32 master is copied; a split master's remainder is encoded, with the parameter
+    taking ``round(master)``). A state without a master is left alone."""
+    if "master_weight" in state:
+        state["master_weight"].copy_(master)
+    elif "master_lo" in state:
+        fmt = format_of(state)
+        stored, flat_param = _flat_copies(fmt, param, state)
+        flat_master = torch.cat([master.detach().reshape(-1).to(device=param.device, dtype=torch.float32),
+                                 master.new_zeros(flat_param.numel() - param.numel(), dtype=torch.float32,
+                                                  device=param.device)])
+        _split_encode_(flat_master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
+        _write_back(state, stored, param, flat_param)
