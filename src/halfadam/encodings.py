@@ -34,8 +34,10 @@ The encodings:
   parameter stays ``round(master)`` (nearest even). One value does not fit an int16: the tie
   ``+2**15`` (the master exactly halfway above an even parameter). Each block of 128 elements has
   one byte ``master_tie`` = 1 + the index of its first such element (0: none); that element stores
-  ``-2**15`` and decodes with ``+2**16``. A second tie in the same block stores ``2**15 - 1`` (the
-  master moves by one fp32 ulp; about 2**-34 per block and step, never seen in tests). For float16
+  ``-2**15`` and decodes with ``+2**16``. A second tie in the same block stores ``2**15 - 1`` (the master moves by one fp32 ulp). With random
+  low bits two ties meet in a block about C(128, 2) * 2**-34 ~ 2**-21 times per block and step; equal
+  weights taking identical steps (the first step from a constant initialisation) make it likelier.
+  For float16
   parameters the remainder is ``(master - param) / ulp(param) * 2**16``, rounded: exact while the
   master is in fp16's normal range (fp32 has 13 more significant bits than fp16); below 2**-14 its
   absolute error is at most 2**-41; a master beyond fp16's range is lost with the parameter (inf).

@@ -153,6 +153,17 @@ class _AdamBase(torch.optim.Optimizer):
             group["lr"] = group.pop("learning_rate")
         if "params" not in group:
             raise ValueError(f"{where} has no 'params' key")
+        # The state format is the optimizer's; a group may repeat it (ZeroRedundancyOptimizer copies
+        # the constructor's keyword arguments into every group) but not change it.
+        format_keys = {k: group.pop(k) for k in _STATE_FORMAT_KEYS if k in group}
+        if format_keys:
+            try:
+                fmt = encodings.state_format(**format_keys)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+            if fmt != self.state_format:
+                raise ValueError(f"{where} asks for the state format {fmt.describe()}, this optimizer has "
+                                 f"{self.state_format.describe()}: the state format is per optimizer, not per group")
         _check_group_keys(group, where)
         params = group["params"]
         if isinstance(params, Tensor):
@@ -655,6 +666,8 @@ def _resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
     return hyperparams.check_value(value, f"{where}['{key}']")
 
 
+#: The optimizer's state-format arguments: accepted in a group when they repeat the optimizer's.
+_STATE_FORMAT_KEYS = ("state_mode", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
 #: Group keys beyond the hyperparameters: metadata that torch and its schedulers write into groups.
 _METADATA_GROUP_KEYS = ("param_names", "initial_lr", "name")
 #: torch.optim.AdamW's group flags: accepted only at the value that means "off" (what halfadam does).
