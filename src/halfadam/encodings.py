@@ -34,17 +34,18 @@ The encodings:
   parameter stays ``round(master)`` (nearest even). One value does not fit an int16: the tie
   ``+2**15`` (the master exactly halfway above an even parameter). Each block of 128 elements has
   one byte ``master_tie`` = 1 + the index of its first such element (0: none); that element stores
-  ``-2**15`` and decodes with ``+2**16``. A second tie in the same block stores ``2**15 - 1`` (the master moves by one fp32 ulp). With random
-  low bits two ties meet in a block about C(128, 2) * 2**-34 ~ 2**-21 times per block and step; equal
-  weights taking identical steps (the first step from a constant initialisation) make it likelier.
-  For float16
-  parameters the remainder is ``(master - param) / ulp(param) * 2**16``, rounded: exact while the
-  master is in fp16's normal range (fp32 has 13 more significant bits than fp16); below 2**-14 its
-  absolute error is at most 2**-41; a master beyond fp16's range is lost with the parameter (inf).
-  Writes to the parameter: decoding checks ``round(decoded) == param`` element by element and
-  otherwise takes the parameter's value (the master-sync rule of :mod:`halfadam.functional`); where
-  the check passes after a write (the new value's remainder is kept, within half an ulp of it), the
-  master is the written value plus the old remainder. Loads and dtype changes zero the remainders.
+  ``-2**15`` and decodes with ``+2**16``. A second tie in the same block stores ``2**15 - 1`` (the
+  master moves by one fp32 ulp); with random low bits two ties meet in a block about
+  C(128, 2) * 2**-34 ~ 2**-21 times per block and step, more often when equal weights take identical
+  steps (the first step from a constant initialisation). For float16 parameters the remainder is
+  ``(master - param) / ulp(param) * 2**16``, rounded: exact while the master is in fp16's normal
+  range (fp32 has 13 more significant bits than fp16); below 2**-14 its absolute error is at most
+  2**-41; a master beyond fp16's range is lost with the parameter (inf).
+  Writes to the parameter: the split cannot see them. The decoded master is the written value plus
+  the old remainder (within half an ulp of it); where that does not round to the parameter (nan or
+  the other sign after writing +-0) the parameter's value is taken (the master-sync rule of
+  :mod:`halfadam.functional`). :func:`set_master_` (``load_master_state_dict``) and checkpoint loads
+  set exact masters; dtype changes restart from the parameter with a zero remainder.
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
