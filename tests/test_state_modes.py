@@ -656,11 +656,10 @@ def test_modes_against_torch_adamw(mode, impl, dtype):
 
 
 SECOND_TIE_BUG = (
-    "split is not bit for bit fp32 for bf16: a block with two masters exactly halfway above their even "
-    "bf16 parameter (remainder +2**15) stores the second as 2**15 - 1, one fp32 ulp off. Not 'about 2**-34 "
-    "per block and step': C(128, 2) * 2**-34 ~ 2**-21 for random low bits, and far likelier on the first "
-    "step from bf16 weights, where equal parameters with equal gradient signs land on the same master "
-    "(lr=1e-2, wd=0.1: bf16 1.71875 with g > 0 -> 0x3fda8000)")
+    "the documented limit of the split master's bitwise claim: a block with two masters exactly halfway "
+    "above their even bf16 parameter (remainder +2**15) stores the second as 2**15 - 1, one fp32 ulp off; "
+    "about 2**-21 per block and step for random low bits, far likelier on the first step from equal bf16 "
+    "weights with equal gradient signs (lr=1e-2, wd=0.1: bf16 1.71875 with g > 0 -> 0x3fda8000)")
 
 
 @pytest.mark.parametrize("dtype", [
