@@ -386,8 +386,21 @@ def test_dynamic_map_hand_derived():
         assert int(decade.sum()) == 2 ** i, i
     dyn_u = E.dynamic_map(signed=False)
     assert dyn_u.shape == (256,) and dyn_u.min().item() == 0.0 and dyn_u.max().item() == 1.0
-    mids = E.tables(E.PRESETS["compact"], CPU)[1]
-    assert torch.equal(mids, (dyn[1:] + dyn[:-1]) / 2)
+    decades = E.tables(E.PRESETS["compact"], CPU)[1]
+    assert torch.equal(decades, torch.tensor([1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]))
+
+
+def test_dynamic_nearest_is_the_searched_nearest():
+    """The computed nearest code (no search) equals a brute-force argmin over the map, incl. the map's own
+    values, their midpoints, decade boundaries, 0, +-1 and values far below the smallest level."""
+    dyn = E.dynamic_map()
+    g = torch.Generator().manual_seed(3)
+    y = torch.cat([torch.rand(50000, generator=g) * 2 - 1,
+                   (torch.rand(50000, generator=g) * 2 - 1) * torch.exp2(-torch.rand(50000, generator=g) * 30),
+                   dyn, (dyn[1:] + dyn[:-1]) / 2, torch.tensor([0.0, 1.0, -1.0, 1e-30, -1e-30, 0.1, 1e-6])])
+    index = E._dynamic_nearest(y, dyn, E.tables(E.PRESETS["compact"], CPU)[1]).long()
+    err = (dyn[index] - y).abs()
+    assert torch.equal(err, (dyn[None, :] - y[:, None]).abs().min(1).values)
 
 
 def test_tables_levels_hand_derived():
