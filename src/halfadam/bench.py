@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
+from halfadam.encodings import PRESETS
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
@@ -43,7 +44,7 @@ HELP = "time one optimizer step of each halfadam implementation against torch.op
 BYTES_PER_PARAM = 28
 IMPLS = ("reference", "foreach", "fused")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-STATE_MODES = ("fp32", "split", "bf16", "compact")  # halfadam.encodings.PRESETS
+STATE_MODES = tuple(PRESETS)
 TORCH_VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 

@@ -111,8 +111,7 @@ class Bucket:
 
     def segment(self, a: int, b: int) -> Dict[str, Tensor]:
         """The flat buffers' slices for elements ``a:b`` (multiples of BLOCK when blocked)."""
-        block_keys = encodings.block_keys(self.format, self.has_master)
-        return {k: t[a // BLOCK:b // BLOCK] if k in block_keys else t[a:b] for k, t in self.flat.items()}
+        return encodings.slice_flat(self.flat, a, b)
 
     def attach(self, state: dict, i: int) -> None:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
@@ -127,9 +126,8 @@ class Bucket:
         else:
             self.steps[i].zero_()
         state["step"] = self.steps[i]
-        block_keys = encodings.block_keys(self.format, self.has_master)
         for key, flat in self.flat.items():
-            v = self.block_view(flat, i) if key in block_keys else self.view(flat, i)
+            v = self.block_view(flat, i) if encodings.is_block_key(key) else self.view(flat, i)
             if key in state:
                 v.copy_(state[key])
             elif key == "master_weight":

@@ -43,7 +43,6 @@ __all__ = [
     "load_checkpoint",
 ]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FORMAT = "halfadam.checkpoint"
 _FORMAT_VERSION = 1
 
@@ -146,10 +145,7 @@ def load_master_state_dict(
             group = group_of.get(id(target))
             if group is None:
                 continue
-            use_master = group["master_weights"]
-            if use_master is None:
-                use_master = target.dtype in _HALF_DTYPES
-            if use_master or optimizer.state.get(target):  # type: ignore[union-attr]
+            if optimizer._use_master(target, group) or optimizer.state.get(target):  # type: ignore[union-attr]  # type: ignore[union-attr]
                 state = optimizer._init_state(target, group)  # type: ignore[union-attr]
                 encodings.set_master_(target, state, value)  # an fp32 or a split master (its remainder)
 

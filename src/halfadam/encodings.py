@@ -69,8 +69,9 @@ with zeros. In flat buckets each parameter starts at a multiple of 128 (:mod:`ha
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -162,6 +163,12 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     return fmt
 
 
+#: Every per-element state key of any encoding (besides ``step``), and every per-block one.
+ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq")
+BLOCK_KEYS = ("master_tie", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+@functools.lru_cache(maxsize=None)
 def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     """The per-element state keys of ``fmt`` and their dtypes (the parameter's shape)."""
     keys: Dict[str, torch.dtype] = {}
@@ -173,6 +180,7 @@ def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     return keys
 
 
+@functools.lru_cache(maxsize=None)
 def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     """The per-block state keys of ``fmt`` and their dtypes (1-D, one entry per BLOCK elements)."""
     keys: Dict[str, torch.dtype] = {}
@@ -208,6 +216,16 @@ def _random_bits(x: Tensor, seed: Tensor, salt: int) -> Tensor:
     h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & _MASK32
     h = ((h ^ (h >> 16)) * 0x297A2D39) & _MASK32
     return h ^ (h >> 15)
+
+
+def random_seed(fmt: StateFormat, step: Union[int, float, Tensor], device: torch.device) -> Optional[Tensor]:
+    """The random bits' seed (the step, 0-d int64 on ``device``), or ``None`` when ``fmt`` draws none
+    (only bfloat16 and uint8 ``exp_avg_sq``/bfloat16 ``exp_avg`` round stochastically)."""
+    if fmt.exp_avg != torch.bfloat16 and fmt.exp_avg_sq == torch.float32:
+        return None
+    if isinstance(step, Tensor):
+        return step.to(device=device, dtype=torch.int64)
+    return torch.tensor(int(step), dtype=torch.int64, device=device)
 
 
 def _uniform(x: Tensor, seed: Tensor, salt: int) -> Tensor:
@@ -434,18 +452,29 @@ def _has_master(state: Dict[str, Tensor]) -> bool:
     return "master_weight" in state or "master_lo" in state
 
 
+def is_block_key(key: str) -> bool:
+    """Whether state entry ``key`` is per block of BLOCK elements (else per element)."""
+    return key in BLOCK_KEYS
+
+
+def slice_flat(stored: Dict[str, Tensor], a: int, b: int) -> Dict[str, Tensor]:
+    """Elements ``a:b`` (multiples of BLOCK when some key is per block) of flat state buffers."""
+    return {k: t[a // BLOCK:b // BLOCK] if is_block_key(k) else t[a:b] for k, t in stored.items()}
+
+
+def _pad(t: Tensor, length: int, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``t`` flattened into a new tensor of ``length`` elements on ``like``'s device, zero-padded."""
+    flat = t.detach().reshape(-1).to(device=like.device, dtype=dtype or t.dtype)
+    return torch.cat([flat, flat.new_zeros(length - flat.numel())]) if flat.numel() < length else flat.clone()
+
+
 def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
     """Flat, block-padded (with zeros) copies of ``state``'s tensors and of the parameter's values."""
     length = n_blocks(param.numel()) * BLOCK
-
-    def pad(t: Tensor) -> Tensor:
-        flat = t.detach().reshape(-1)
-        return torch.cat([flat, flat.new_zeros(length - flat.numel())]) if flat.numel() < length else flat.clone()
-
     has_master = _has_master(state)
-    stored = {k: pad(state[k]) for k in element_keys(fmt, has_master)}
+    stored = {k: _pad(state[k], length, param) for k in element_keys(fmt, has_master)}
     stored.update({k: state[k].clone() for k in block_keys(fmt, has_master)})
-    return stored, pad(param)
+    return stored, _pad(param, length, param)
 
 
 def _write_back(state: Dict[str, Tensor], stored: Dict[str, Tensor], param: Optional[Tensor],
@@ -457,6 +486,17 @@ def _write_back(state: Dict[str, Tensor], stored: Dict[str, Tensor], param: Opti
         param.detach().copy_(flat_param[:param.numel()].view(param.shape))
 
 
+def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tensor) -> None:
+    """Store the flat float32 ``master``: copied, or as a split remainder after the master-sync rule
+    (where the parameter differs from ``round(master)`` the parameter wins), so the parameter keeps
+    its value."""
+    if "master_weight" in stored:
+        stored["master_weight"].copy_(master)
+    else:
+        master = torch.where(master.to(flat_param.dtype) == flat_param, master, flat_param.to(torch.float32))
+        _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
+
+
 def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], grad: Tensor,
                   coefficients: tuple, step: int, *, decay: str, optimized_update: bool) -> None:
     """:func:`encoded_update_` for one parameter and its own (not flat) state tensors."""
@@ -464,29 +504,32 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
     has_master = _has_master(state)
     if not has_master:
         stored["weight"] = flat_param.to(torch.float32)
-    g = torch.cat([grad.reshape(-1).to(torch.float32),
-                   grad.new_zeros(flat_param.numel() - grad.numel(), dtype=torch.float32)])
-    seed = torch.tensor(step, dtype=torch.int64, device=param.device)
-    encoded_update_(stored, flat_param if has_master else None, g, coefficients, seed, tables(fmt, param.device),
-                    master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay,
-                    optimized_update=optimized_update)
+    g = _pad(grad, flat_param.numel(), param, torch.float32)
+    encoded_update_(stored, flat_param if has_master else None, g, coefficients, random_seed(fmt, step, param.device),
+                    tables(fmt, param.device), master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
+                    decay=decay, optimized_update=optimized_update)
     if not has_master:
         flat_param.copy_(stored.pop("weight"))
     _write_back(state, stored, param, flat_param)
 
 
-def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` as new float32 tensors
-    of the parameter's shape (a split master synced with ``param``, see :func:`_split_decode`)."""
+def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
+                 names: Tuple[str, ...] = ("master_weight", "exp_avg", "exp_avg_sq")) -> Dict[str, Tensor]:
+    """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` (those of ``names``) as
+    new float32 tensors of the parameter's shape (a split master synced with ``param``, see
+    :func:`_split_decode`)."""
     stored, flat_param = _flat_copies(fmt, param, state)
     tables_ = tables(fmt, param.device)
     out = {}
-    if "master_weight" in stored:
-        out["master_weight"] = stored["master_weight"]
-    elif "master_lo" in stored and param.dtype in _HALF:
-        out["master_weight"] = _split_decode(flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
-    out["exp_avg"] = _decode_moment(fmt.exp_avg, "exp_avg", stored, tables_)
-    out["exp_avg_sq"] = _decode_moment(fmt.exp_avg_sq, "exp_avg_sq", stored, tables_)
+    if "master_weight" in names:
+        if "master_weight" in stored:
+            out["master_weight"] = stored["master_weight"]
+        elif "master_lo" in stored and param.dtype in _HALF:
+            out["master_weight"] = _split_decode(flat_param, stored["master_hi"], stored["master_lo"],
+                                                 stored["master_tie"])
+    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+        if name in names:
+            out[name] = _decode_moment(dtype, name, stored, tables_)
     n = param.numel()
     return {k: v[:n].reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
@@ -499,24 +542,12 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
     (the master-sync rule), so the parameter is never changed."""
     stored, flat_param = _flat_copies(fmt, param, state)
     length = flat_param.numel()
-    seed = torch.tensor(int(step), dtype=torch.int64, device=param.device)
-    tables_ = tables(fmt, param.device)
-
-    def pad(t: Tensor) -> Tensor:
-        flat = t.detach().reshape(-1).to(device=param.device, dtype=torch.float32)
-        return torch.cat([flat, flat.new_zeros(length - flat.numel())])
-
+    seed, tables_ = random_seed(fmt, step, param.device), tables(fmt, param.device)
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
-        if dtype == torch.float32:
-            stored[name].copy_(pad(values[name]))
-        else:
-            _encode_moment_(dtype, name, pad(values[name]), stored, tables_, seed)
-    if "master_weight" in stored:
-        stored["master_weight"].copy_(pad(values["master_weight"]))
-    elif "master_lo" in stored:
-        master = pad(values["master_weight"])  # the master-sync rule first: a parameter that differs wins
-        master = torch.where(master.to(flat_param.dtype) == flat_param, master, flat_param.to(torch.float32))
-        _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
+        x = _pad(values[name], length, param, torch.float32)
+        stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, tables_, seed)
+    if _has_master(stored):
+        _encode_master_(stored, flat_param, _pad(values["master_weight"], length, param, torch.float32))
     _write_back(state, stored, None, flat_param)
 
 
@@ -557,15 +588,10 @@ def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has
 
 def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None:
     """Make ``master`` (float32, the parameter's shape) the master weight in ``state``, whatever its
-    encoding (an fp32 master is copied; a split master's remainder is encoded, with the parameter
-    taking ``round(master)``). A state without a master is left alone."""
-    if "master_weight" in state:
-        state["master_weight"].copy_(master)
-    elif "master_lo" in state:
-        fmt = format_of(state)
-        stored, flat_param = _flat_copies(fmt, param, state)
-        flat_master = torch.cat([master.detach().reshape(-1).to(device=param.device, dtype=torch.float32),
-                                 master.new_zeros(flat_param.numel() - param.numel(), dtype=torch.float32,
-                                                  device=param.device)])
-        _split_encode_(flat_master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
-        _write_back(state, stored, param, flat_param)
+    encoding (an fp32 master is copied, a split master's remainder encoded); the parameter must hold
+    ``round(master)`` already (elements where it does not keep the parameter's value, as in
+    :func:`encode_state_`). A state without a master is left alone."""
+    if _has_master(state):
+        stored, flat_param = _flat_copies(format_of(state), param, state)
+        _encode_master_(stored, flat_param, _pad(master, flat_param.numel(), param, torch.float32))
+        _write_back(state, stored, None, flat_param)

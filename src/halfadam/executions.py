@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .buckets import Bucket
 from . import encodings
-from .encodings import BLOCK, StateFormat, encoded_update_, for_param, update_param_
+from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
@@ -189,8 +189,8 @@ def _eager_chunks(stored, grad, param, *rest, **kwargs) -> None:
     chunk = EAGER_CHUNK if grad.device.type == "cpu" else max(n, 1)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        piece = {k: t[start // BLOCK:end // BLOCK] if t.numel() != n else t[start:end] for k, t in stored.items()}
-        _flat_kernel(piece, grad[start:end], None if param is None else param[start:end], *rest, **kwargs)
+        _flat_kernel(encodings.slice_flat(stored, start, end), grad[start:end],
+                     None if param is None else param[start:end], *rest, **kwargs)
 
 
 def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters, implementation: str,
@@ -216,7 +216,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         step=step.to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
         eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
         optimized_update=hp.optimized_update)
-    seed = step.to(device=device, dtype=torch.int64)
+    seed = encodings.random_seed(bucket.format, step, device)  # None unless the format rounds stochastically
     tables = encodings.tables(bucket.format, device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())

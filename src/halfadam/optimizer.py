@@ -235,7 +235,7 @@ class _AdamBase(torch.optim.Optimizer):
         if ea is None or ea.device != param.device or self._dtypes.get(id(param), param.dtype) != param.dtype:
             return False
         expected = self._state_dtypes(param, group)
-        present = [k for k in ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq") if k in state]
+        present = [k for k in encodings.ELEMENT_KEYS if k in state]
         return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
 
     def _state_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
@@ -266,8 +266,8 @@ class _AdamBase(torch.optim.Optimizer):
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
             master = param.detach().float() if old_dtype != param.dtype and "master_lo" in state else None
-            fmt = self._format(param, group) if param.dtype != torch.float64 else encodings.StateFormat()
-            new = encodings.convert_state(state, param, fmt, self._use_master(param, group), master)
+            new = encodings.convert_state(state, param, self._format(param, group), self._use_master(param, group),
+                                          master)
             state.clear()
             state.update({k: v.to(torch.float64) if param.dtype == torch.float64 and k != "step" else v
                           for k, v in new.items()})
@@ -460,16 +460,18 @@ class _AdamBase(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):
-                    self._synced_master(p, group)
+                    self._synced_master(p, group, decode=False)
 
     @torch.no_grad()
-    def _synced_master(self, param: Tensor, group: Dict[str, Any]) -> Optional[Tensor]:
+    def _synced_master(self, param: Tensor, group: Dict[str, Any], decode: bool = True) -> Optional[Tensor]:
         """``param``'s master weight (state made or conformed first), synced with it; ``None`` if it has none.
 
-        A split master (:mod:`halfadam.encodings`) is decoded into a new float32 tensor."""
+        A split master (:mod:`halfadam.encodings`) needs no sync (it is decoded against the parameter);
+        with ``decode`` it is decoded into a new float32 tensor, else ``None`` is returned."""
         state = self._init_state(param, group)
-        if "master_lo" in state:
-            return encodings.decode_state(self._format(param, group), param, state)["master_weight"]  # never a DTensor
+        if "master_lo" in state:  # never a DTensor
+            return encodings.decode_state(self._format(param, group), param, state, ("master_weight",)
+                                          )["master_weight"] if decode else None
         master = state.get("master_weight")
         if master is not None:
             sync_master_(local(master), local(param))

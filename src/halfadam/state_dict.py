@@ -402,8 +402,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         use_master = group["master_weights"]
         if use_master is None:
             use_master = p.dtype in _HALF_DTYPES
-        encoded = {"master_hi", "master_lo", "master_tie", "exp_avg_absmax", "exp_avg_sq_absmax"}
-        allowed = {"step", "exp_avg", "exp_avg_sq"} | ({"master_weight"} | encoded if kind == "halfadam" else set())
+        allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS} if kind == "halfadam"
+                   else {"step", "exp_avg", "exp_avg_sq"})
         unexpected = sorted(set(saved) - allowed)
         if unexpected:
             raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
