@@ -1,0 +1,74 @@
+"""The fused kernel alone, per state encoding, against the fp32-state kernel in the same run.
+
+Times ``halfadam.executions._flat_kernel`` (compiled as the fused step compiles it) over one flat
+bucket of bf16 parameters for each state format: fp32 state, split master, bf16 ``exp_avg``, uint8
+``exp_avg``, uint8 ``exp_avg_sq``, the ``bf16`` and ``compact`` presets. No per-tensor entry costs:
+this isolates the cost of the encodings in the generated code. Prints ms and the ratio to fp32 state.
+
+    python benchmarks/state_mode_kernels.py [--numel 4e6] [--threads 1] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from halfadam import encodings as E
+from halfadam import executions as X
+from halfadam.functional import adam_coefficients
+
+FORMATS = {
+    "fp32 state": E.StateFormat(),
+    "split master": E.StateFormat("split"),
+    "bf16 exp_avg": E.StateFormat("fp32", torch.bfloat16, torch.float32),
+    "uint8 exp_avg": E.StateFormat("fp32", torch.uint8, torch.float32),
+    "uint8 exp_avg_sq": E.StateFormat("fp32", torch.float32, torch.uint8),
+    "bf16 preset": E.PRESETS["bf16"],
+    "compact preset": E.PRESETS["compact"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=float, default=4e6)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n = int(args.numel) // E.BLOCK * E.BLOCK
+    f64 = dict(dtype=torch.float64)
+    coefficients = adam_coefficients(step=torch.tensor(3.0, **f64), lr=torch.tensor(1e-3, **f64), beta1=0.9,
+                                     beta2=0.999, eps=1e-8, weight_decay=torch.tensor(0.01, **f64))
+    device = torch.device("cpu")
+    runs = {}
+    for name, fmt in FORMATS.items():
+        param = (torch.randn(n) * 0.02).bfloat16()
+        grad = (torch.randn(n) * 1e-3).bfloat16()
+        stored = {k: torch.zeros(n, dtype=dt) for k, dt in E.element_keys(fmt, True).items()}
+        stored.update({k: torch.zeros(n // E.BLOCK, dtype=dt) for k, dt in E.block_keys(fmt, True).items()})
+        if "master_weight" in stored:
+            stored["master_weight"].copy_(param)
+        kwargs = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay="decoupled",
+                      optimized_update=False)
+        seed, tables = E.random_seed(fmt, 3, device), E.tables(fmt, device)
+        runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, tables=tables, kwargs=kwargs:
+                      X._run_kernel("fused", stored, grad, param, coefficients, seed, tables, None, **kwargs))
+        runs[name]()  # compile
+    times = {k: [] for k in runs}
+    for _ in range(args.repeat):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["fp32 state"])
+    print(f"{n / 1e6:.1f}M bf16 elements in one bucket, {args.threads} thread(s); median of {args.repeat}")
+    for name in runs:
+        t = statistics.median(times[name])
+        print(f"  {name:18s} {t * 1e3:8.2f} ms  {t / base:6.2f}x fp32 state")
+
+
+if __name__ == "__main__":
+    main()
