@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import halfadam
-from halfadam import executions
+from halfadam import cpu_kernel, executions
 from halfadam.buckets import Bucket
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-FLAT_IMPLS = ["foreach", "fused"]
+FLAT_IMPLS = ["foreach", "fused", "cpp"]
 SHAPES = [(3, 4), (7,), (2, 3, 5), ()]
 
 
@@ -164,6 +164,8 @@ def test_implementation_validated():
 def test_auto_falls_back_to_foreach_when_compile_fails(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "no C++ compiler (simulated)")  # the C++ kernel cannot be built
     monkeypatch.setattr(executions, "_get_compiled", lambda *a: broken)
     monkeypatch.setattr(executions, "_compile_failed", None)
     with pytest.warns(RuntimeWarning, match="falls back to 'foreach'"):
@@ -175,6 +177,82 @@ def test_auto_falls_back_to_foreach_when_compile_fails(monkeypatch):
     _assert_close(_run(halfadam.AdamW, torch.float16, "reference", steps=4), auto)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         _run(halfadam.AdamW, torch.float16, "fused", steps=1)
+    with pytest.raises(RuntimeError, match="cannot be built here .no C\\+\\+ compiler"):
+        _run(halfadam.AdamW, torch.float16, "cpp", steps=1)
+
+
+def test_auto_runs_cpp_on_cpu(monkeypatch):
+    """On the CPU with the fp32 state format, ``auto`` is the C++ kernel: nothing is compiled by torch."""
+    def no_compile(*a, **k):
+        raise AssertionError("auto compiled a kernel although the C++ kernel applies")
+    monkeypatch.setattr(executions, "_get_compiled", no_compile)
+    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
+    _assert_close(_run(halfadam.AdamW, torch.bfloat16, "reference"), _run(halfadam.AdamW, torch.bfloat16, "auto"))
+
+
+def test_cpp_rejects_what_it_cannot_run():
+    p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
+    with pytest.raises(ValueError, match="implementation='cpp' runs the fp32 state format only.*compact"):
+        halfadam.AdamW(p, implementation="cpp", state_mode="compact")
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda p: torch.zeros(p.numel() + 1, dtype=p.dtype), ValueError, "has shape"),
+    (lambda p: torch.zeros(p.shape, dtype=torch.int32), TypeError, "floating point"),
+    (lambda p: torch.zeros(p.shape).to_sparse(), TypeError, "sparse"),
+    (lambda p: torch.zeros(p.shape, device="meta"), ValueError, "is on meta"),
+    (lambda p: [0.0] * p.numel(), TypeError, "must be a tensor"),
+])
+def test_gradient_checks_in_one_call_name_the_parameter(bad, error, match):
+    """With the C++ kernel loaded, a group's gradients are checked in one call (more than 8 of them);
+    a bad one still raises the Python check's error naming it, before anything changes."""
+    assert cpu_kernel.load() is not None, cpu_kernel.unavailable_reason()
+    params = [torch.randn(5, dtype=torch.bfloat16, requires_grad=True) for _ in range(20)]
+    opt = halfadam.AdamW(params, lr=1e-2, implementation="cpp")
+    grads = {p: torch.randn(5) for p in params}
+    opt.step(grads=grads)
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    grads[params[13]] = bad(params[13])
+    with pytest.raises(error, match=match) as info:
+        opt.step(grads=grads)
+    assert "['params'][13]" in str(info.value)
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    after = opt.state_dict()
+    for i, st in before[1]["state"].items():
+        assert all(torch.equal(v, after["state"][i][k]) for k, v in st.items())
+    grads[params[13]] = torch.randn(5)
+    params[3].data = torch.zeros(1, dtype=torch.bfloat16).expand(5)  # elements that share memory
+    with pytest.raises(ValueError, match=r"\['params'\]\[3\].*share memory"):
+        opt.step(grads=grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpp_strided_params_and_grads(dtype):
+    """Transposed (non-contiguous) parameters and gradients, float32 gradients for half parameters,
+    large tensors split across threads at arbitrary points: the reference's values; each parameter's
+    version counter moves (autograd sees the in-place update) and its storage stays."""
+    def run(impl, threads):
+        torch.manual_seed(0)
+        base = [torch.randn(300, 257), torch.randn(70_001), torch.randn(5, 3)]
+        params = [base[0].to(dtype).t().requires_grad_(), base[1].to(dtype).requires_grad_(),
+                  base[2].to(dtype).requires_grad_()]
+        opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation=impl)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for k in range(3):
+                grads = {p: torch.randn(p.shape[::-1]).t() if p.dim() == 2 else torch.randn(p.shape) for p in params}
+                versions = [p._version for p in params]
+                opt.step(grads=grads)
+                assert all(p._version > v for p, v in zip(params, versions))
+        finally:
+            torch.set_num_threads(prev)
+        return params, opt
+    ref = run("reference", 1)
+    one, two = run("cpp", 1), run("cpp", 2)
+    _assert_close(ref, one)
+    for a, b in zip(one[0], two[0]):  # threads split the work, not the arithmetic
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------- scaler seam
@@ -208,7 +286,7 @@ def _scaler_run(impl, *, explicit_unscale=False, max_grad_norm=None, inf_at=(), 
     return params, opt, snapshots, scaler
 
 
-@pytest.mark.parametrize("impl", ["reference", "foreach", "fused"])
+@pytest.mark.parametrize("impl", ["reference", "foreach", "fused", "cpp"])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 def test_scaler_fused_handover_matches_explicit_unscale(impl, max_grad_norm):
     ref = _scaler_run("reference", explicit_unscale=True, max_grad_norm=max_grad_norm)
@@ -218,7 +296,7 @@ def test_scaler_fused_handover_matches_explicit_unscale(impl, max_grad_norm):
         assert other[3].last_grad_norm is not None and other[3].last_grad_norm.dim() == 0
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("impl", ["foreach", "fused", "cpp"])
 def test_scaler_skips_bit_for_bit_on_inf(impl):
     params, opt, snapshots, scaler = _scaler_run(impl, inf_at=(2, 3), max_grad_norm=1.0)
     for k in (2, 3):

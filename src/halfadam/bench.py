@@ -42,9 +42,12 @@ from halfadam.encodings import PRESETS
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
 
 BYTES_PER_PARAM = 28
-IMPLS = ("reference", "foreach", "fused")
+IMPLS = ("reference", "foreach", "fused", "cpp")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 STATE_MODES = tuple(PRESETS)
+#: 2,000 tensors of 10 elements: next to no arithmetic, so its time is the per-step overhead (Python,
+#: validation, kernel entry); printed after the tables as microseconds per step and per tensor.
+OVERHEAD_CASE = "overhead 20000/2000"
 TORCH_VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
@@ -56,6 +59,7 @@ def _cases(args) -> List[Dict[str, Any]]:
         cases.append(dict(name=f"100M/{args.tensors}", numel=100_000_000, tensors=args.tensors))
     if not args.no_small:
         cases.append(dict(name="many-small 2M/2000", numel=2_000_000, tensors=2000))
+        cases.append(dict(name=OVERHEAD_CASE, numel=20_000, tensors=2000))
     return cases
 
 
@@ -119,6 +123,8 @@ def measure(args) -> List[Dict[str, Any]]:
         for dname in args.dtypes:
             for impl in args.impls:
                 for mode in args.state_modes:
+                    if impl == "cpp" and (mode != "fp32" or args.device != "cpu"):
+                        continue  # the C++ kernel runs the fp32 state format on the CPU only
                     params = _make_params(case["numel"], case["tensors"], DTYPES[dname], args.device, 0)
                     configs.append((dict(impl=f"halfadam {impl}", dtype=dname, state=mode),
                                     halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl,
@@ -167,7 +173,19 @@ def measure(args) -> List[Dict[str, Any]]:
         gc.collect()
         if not args.json:
             print(_table([r for r in rows if r["case"] == case["name"]]), flush=True)
+            if case["name"] == OVERHEAD_CASE:
+                print(_overhead([r for r in rows if r["case"] == case["name"]]), flush=True)
     return rows
+
+
+def _overhead(rows: List[Dict[str, Any]]) -> str:
+    """One line per configuration of the overhead case: its step time as per-step and per-tensor overhead."""
+    lines = ["per-step overhead (a step over 2,000 tensors of 10 elements: Python, validation, kernel entry):"]
+    for r in rows:
+        state = f" ({r['state']} state)" if r.get("state") else ""
+        lines.append(f"  {r['impl']} {r['dtype']}{state}: {r['ms'] * 1e3:.0f} us/step, "
+                     f"{r['ms'] * 1e3 / r['tensors']:.2f} us/tensor, {r['vs_torch_fused']:.2f}x torch fused")
+    return "\n".join(lines) + "\n"
 
 
 def _table(rows: List[Dict[str, Any]]) -> str:
@@ -190,9 +208,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="comma-separated parameter counts (default 1e6,2e7), split into --tensors tensors")
     parser.add_argument("--tensors", type=int, default=50, help="tensors per size case (default 50)")
     parser.add_argument("--large", action="store_true", help="also 100M parameters (needs ~10 GB)")
-    parser.add_argument("--no-small", action="store_true", help="skip the many-small-tensors case (2000 tensors, 2M)")
+    parser.add_argument("--no-small", action="store_true",
+                        help="skip the many-small-tensors case (2000 tensors, 2M) and the overhead case (2000 tensors "
+                             "of 10 elements)")
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES), help="fp16,bf16,fp32")
-    parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS), help="reference,foreach,fused")
+    parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS),
+                        help="reference,foreach,fused,cpp (default all). reference: one update per tensor; foreach: "
+                             "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
+                             "cpp: the hand-written C++ CPU kernel (fp32 state, CPU only: skipped elsewhere). "
+                             "implementation='auto' runs cpp on the CPU where it builds, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else s.split(","),
                         default=["fp32", "compact"],
                         help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "

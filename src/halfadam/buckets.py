@@ -80,9 +80,29 @@ class Bucket:
         self.flat.update({key: torch.zeros(total // BLOCK, dtype=dt, **on)
                           for key, dt in encodings.block_keys(self.format, self.has_master).items()})
         self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
+        self._uniform_at: Optional[int] = None  # steps._version at which the step counts were all equal
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
+
+    def steps_uniform(self) -> bool:
+        """Whether every parameter's step count is the same (checked once per change of ``steps``)."""
+        version = self.steps._version
+        if self._uniform_at != version:
+            if not bool((self.steps == self.steps[0]).all()):
+                return False
+            self._uniform_at = version
+        return True
+
+    def advance_steps(self, indices: Optional[List[int]] = None) -> None:
+        """Add 1 to the step count of parameters ``indices`` (default: all, which keeps them uniform)."""
+        if indices is None:
+            uniform = self._uniform_at == self.steps._version
+            self.steps.add_(1)
+            if uniform:
+                self._uniform_at = self.steps._version
+        else:
+            self.steps[indices] += 1
 
     @property
     def out(self) -> Tensor:

@@ -4,7 +4,14 @@
   fallback for anything unusual);
 * :func:`flat_step` over a :class:`halfadam.buckets.Bucket`: ``adam_coefficients`` eagerly (a few 0-d
   float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
-  compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``).
+  compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``);
+  or, for CPU buckets in the fp32 state format, the hand-written C++ kernel of
+  :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations, one call per bucket, reading every
+  gradient and writing every parameter where it lies.
+
+Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in the fp32 state format when the kernel builds
+(it moves each byte once, at memory bandwidth, with no per-call entry cost); otherwise ``"fused"``
+(CUDA, the encoded state modes, or no C++ compiler); ``"foreach"`` once a compilation has failed.
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
@@ -26,14 +33,14 @@ import torch
 from torch import Tensor
 
 from .buckets import Bucket
-from . import encodings
+from . import cpu_kernel, encodings
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
 
 #: Accepted values of the optimizers' ``implementation`` argument.
-IMPLEMENTATIONS = ("auto", "fused", "foreach", "reference")
+IMPLEMENTATIONS = ("auto", "cpp", "fused", "foreach", "reference")
 
 
 @dataclass(frozen=True)
@@ -202,16 +209,18 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     indices. ``implementation`` is ``"fused"`` (the kernel compiled by ``torch.compile``: Inductor
     C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run eagerly over the flat buffers
     in chunks of :data:`EAGER_CHUNK` elements on the CPU, whole on a GPU: a few ops per chunk
-    instead of per tensor) or
-    ``"auto"`` (fused, or foreach when compiling is impossible here).
+    instead of per tensor), ``"cpp"`` (the C++ kernel: CPU buckets in the fp32 state format) or
+    ``"auto"`` (cpp where it applies and builds, else fused, or foreach when compiling is
+    impossible here).
     """
     device = bucket.device
-    if len(items) == len(bucket.params):
-        bucket.steps.add_(1)
-    else:
-        bucket.steps[[i for i, _ in items]] += 1
-    f64 = dict(dtype=torch.float64, device=device)
+    bucket.advance_steps(None if len(items) == len(bucket.params) else [i for i, _ in items])
     step = bucket.steps[items[0][0]]
+    kernel = _cpp_kernel(bucket, implementation)
+    if kernel is not None:
+        _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
+        return
+    f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
         step=step.to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
         eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
@@ -248,6 +257,51 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
             stored["weight"], param = param, None
         _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, tables, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
+
+
+def cpp_applies(bucket: Bucket) -> bool:
+    """Whether the C++ kernel can step ``bucket``: on the CPU, state in the fp32 format."""
+    return bucket.device.type == "cpu" and bucket.format.is_fp32
+
+
+def _cpp_kernel(bucket: Bucket, implementation: str):
+    """The C++ kernel module if ``implementation`` runs it on ``bucket``, else ``None``.
+
+    Raises:
+        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU or not in the fp32
+            state format, or the kernel cannot be built here (the reason is in the message).
+    """
+    if implementation not in ("cpp", "auto"):
+        return None
+    if not cpp_applies(bucket):
+        if implementation == "cpp":
+            raise RuntimeError(
+                f"implementation='cpp' runs CPU parameters with the fp32 state format only; this bucket is on "
+                f"{bucket.device} in {bucket.format.describe()}: use implementation='auto' or 'fused'")
+        return None
+    kernel = cpu_kernel.load()
+    if kernel is None and implementation == "cpp":
+        raise RuntimeError(f"implementation='cpp': the C++ CPU kernel cannot be built here "
+                           f"({cpu_kernel.unavailable_reason()}); use implementation='auto' or 'fused'")
+    return kernel
+
+
+def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
+              grad_scale: Optional[Tensor], step: int) -> None:
+    """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place."""
+    coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                      weight_decay=hp.weight_decay, decay=hp.decay,
+                                      optimized_update=hp.optimized_update)
+    if len(items) == len(bucket.params):
+        params, offsets = bucket.params, bucket.offsets
+    else:
+        params = [bucket.params[i] for i, _ in items]
+        offsets = [bucket.offsets[i] for i, _ in items]
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
+    kernel.adam_step(params, [g for _, g in items], bucket.flat.get("master_weight"), bucket.flat["exp_avg"],
+                     bucket.flat["exp_avg_sq"], offsets, coefficients, grad_scale, hp.decay == "l2",
+                     hp.optimized_update)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

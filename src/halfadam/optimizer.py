@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import hyperparams
+from . import cpu_kernel, hyperparams
 from . import state_dict as _state_dict
 from . import encodings
 from ._dtensor import is_dtensor, local, localize
@@ -78,6 +78,9 @@ class _AdamBase(torch.optim.Optimizer):
         self.implementation = implementation
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
+        if implementation == "cpp" and not self.state_format.is_fp32:
+            raise ValueError(f"implementation='cpp' runs the fp32 state format only, got state_mode={state_mode!r} "
+                             f"({self.state_format.describe()}): use implementation='auto' or 'fused'")
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
@@ -381,10 +384,14 @@ class _AdamBase(torch.optim.Optimizer):
             if not items:
                 continue
             items.sort(key=lambda item: item[0])
-            steps = bucket.steps if len(items) == len(bucket.params) else bucket.steps[[i for i, _ in items]]
+            if len(items) == len(bucket.params):
+                uniform = bucket.steps_uniform()
+            else:
+                steps = bucket.steps[[i for i, _ in items]]
+                uniform = bool((steps == steps[0]).all())
             # One step count: one flat step. Otherwise (step counts that diverged) the reference path,
             # on the same state views, so that state["step"] keeps torch's per-parameter meaning.
-            if bool((steps == steps[0]).all()):
+            if uniform:
                 flat_step(bucket, items, hp, self.implementation, grad_scale)
             else:
                 rest.extend((bucket.params[i], g) for i, g in items)
@@ -561,19 +568,13 @@ class _AdamBase(torch.optim.Optimizer):
             # value there is the next step's error, not this one's)
             after = {key: _peek(group, key, step + 1) for key in ("lr", "weight_decay")
                      if group.get(f"{key}_schedule") is not None}
-            pairs = []
-            for j, p in enumerate(group["params"]):
-                if grads is None:
-                    g = p.grad
-                elif p in grads:
-                    g, matched = grads[p], matched + 1
-                else:
-                    continue
-                if g is None:
-                    continue
-                _check_grad(g, p, f"gradient of {where}['params'][{j}]")
-                _check_writable(p, f"{where}['params'][{j}]")
-                pairs.append((p, g))
+            if grads is None:
+                pairs = [(p, p.grad) for p in group["params"]]
+            else:
+                pairs = [(p, grads[p]) for p in group["params"] if p in grads]
+                matched += len(pairs)
+            pairs = [pg for pg in pairs if pg[1] is not None]
+            _check_pairs(pairs, group["params"], where)
             plan.append((group, lr, weight_decay, after, pairs))
         if grads is not None and matched != len(grads):
             _raise_foreign_key(grads, self.param_groups)
@@ -739,6 +740,26 @@ def _check_writable(p: Tensor, where: str) -> None:
     if not p.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
         raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {p.stride()}) has elements that share memory "
                          f"(an expand()-ed tensor?); it cannot be updated in place: pass a contiguous copy")
+
+
+def _check_pairs(pairs: List[Tuple[Tensor, Any]], params: List[Tensor], where: str) -> None:
+    """:func:`_check_grad` and :func:`_check_writable` for every ``(param, grad)`` pair of a group.
+
+    With the C++ kernel loaded (:mod:`halfadam.cpu_kernel`) one call checks them all and the Python
+    checks run only to name what it rejected; without it, they run pair by pair.
+    """
+    kernel = cpu_kernel.loaded()
+    if kernel is not None and len(pairs) > 8 and not torch.compiler.is_compiling():
+        try:
+            if kernel.first_invalid([p for p, _ in pairs], [g for _, g in pairs]) < 0:
+                return
+        except TypeError:  # a gradient that is not a tensor: the Python checks name it
+            pass
+    index = {id(p): j for j, p in enumerate(params)} if pairs else {}
+    for p, g in pairs:
+        j = index[id(p)]
+        _check_grad(g, p, f"gradient of {where}['params'][{j}]")
+        _check_writable(p, f"{where}['params'][{j}]")
 
 
 def _check_grad(g: Any, p: Tensor, where: str) -> None:
