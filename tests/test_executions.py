@@ -190,6 +190,17 @@ def test_auto_runs_cpp_on_cpu(monkeypatch):
     _assert_close(_run(halfadam.AdamW, torch.bfloat16, "reference"), _run(halfadam.AdamW, torch.bfloat16, "auto"))
 
 
+def test_cpp_can_be_turned_off(monkeypatch):
+    """HALFADAM_CPP=0: the kernel is never built or used; auto runs the compiled path, cpp says why not."""
+    monkeypatch.setenv("HALFADAM_CPP", "0")
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", None)
+    assert cpu_kernel.load() is None and cpu_kernel.unavailable_reason() == "disabled by HALFADAM_CPP=0"
+    _assert_close(_run(halfadam.AdamW, torch.float16, "reference", steps=3), _run(halfadam.AdamW, torch.float16, "auto", steps=3))
+    with pytest.raises(RuntimeError, match="HALFADAM_CPP=0"):
+        _run(halfadam.AdamW, torch.float16, "cpp", steps=1)
+
+
 def test_cpp_rejects_what_it_cannot_run():
     p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
     with pytest.raises(ValueError, match="implementation='cpp' runs the fp32 state format only.*compact"):
