@@ -177,7 +177,7 @@ def test_auto_falls_back_to_foreach_when_compile_fails(monkeypatch):
     _assert_close(_run(halfadam.AdamW, torch.float16, "reference", steps=4), auto)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         _run(halfadam.AdamW, torch.float16, "fused", steps=1)
-    with pytest.raises(RuntimeError, match="cannot be built here .no C\\+\\+ compiler"):
+    with pytest.raises(RuntimeError, match="unavailable here .no C\\+\\+ compiler"):
         _run(halfadam.AdamW, torch.float16, "cpp", steps=1)
 
 
@@ -195,15 +195,29 @@ def test_cpp_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("HALFADAM_CPP", "0")
     monkeypatch.setattr(cpu_kernel, "_module", None)
     monkeypatch.setattr(cpu_kernel, "_reason", None)
-    assert cpu_kernel.load() is None and cpu_kernel.unavailable_reason() == "disabled by HALFADAM_CPP=0"
+    assert cpu_kernel.load() is None and cpu_kernel.unavailable_reason() == "disabled (HALFADAM_CPP=0)"
     _assert_close(_run(halfadam.AdamW, torch.float16, "reference", steps=3), _run(halfadam.AdamW, torch.float16, "auto", steps=3))
     with pytest.raises(RuntimeError, match="HALFADAM_CPP=0"):
         _run(halfadam.AdamW, torch.float16, "cpp", steps=1)
 
 
+def test_cpp_failed_build_is_reported_and_remembered(monkeypatch, tmp_path):
+    """No compiler: load() gives None with the cause (not torch's command line), logged, and a marker
+    in the build directory stops later processes from retrying the build."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    for attempt in range(2):
+        monkeypatch.setattr(cpu_kernel, "_module", None)
+        monkeypatch.setattr(cpu_kernel, "_reason", None)
+        assert cpu_kernel.load() is None
+        assert "/nonexistent/g++" in cpu_kernel.unavailable_reason() and "not found" in cpu_kernel.unavailable_reason()
+    assert "an earlier build" in cpu_kernel.unavailable_reason()  # the second attempt read the marker
+    assert list(tmp_path.rglob("halfadam_build_failed.txt"))
+
+
 def test_cpp_rejects_what_it_cannot_run():
     p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
-    with pytest.raises(ValueError, match="implementation='cpp' runs the fp32 state format only.*compact"):
+    with pytest.raises(ValueError, match="implementation='cpp' runs the state modes fp32, split and bf16, got 'compact'"):
         halfadam.AdamW(p, implementation="cpp", state_mode="compact")
 
 

@@ -30,7 +30,7 @@ from halfadam import encodings as E
 from halfadam.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 MODES = ("fp32", "split", "bf16", "compact")
-IMPLS = ("reference", "foreach", "fused")
+IMPLS = ("reference", "foreach", "fused", "cpp")
 HALF = (torch.bfloat16, torch.float16)
 CPU = torch.device("cpu")
 
@@ -163,7 +163,7 @@ def _split_buffers(n, dtype):
 
 
 # ============================================================================ 1. split == fp32, bit for bit
-@pytest.mark.parametrize("impl,steps", [("reference", 1000), ("fused", 200)])
+@pytest.mark.parametrize("impl,steps", [("reference", 1000), ("fused", 200), ("cpp", 1000)])
 def test_split_trains_bit_for_bit_as_fp32(impl, steps):
     """bf16 parameters: the split master (bf16 parameter + int16 remainder + tie byte) is the fp32
     master, exactly, so the whole trajectory (parameters, masters, moments) is the fp32 mode's."""
@@ -641,6 +641,8 @@ def _matrix_params():
                 marks = []
                 if impl == "fused" and not ALL_FUSED and (mode, dtype) not in FUSED_DEFAULT:
                     marks = [pytest.mark.skip(reason=FUSED_SKIP)]
+                if impl == "cpp" and mode == "compact":
+                    continue  # the C++ kernel has no 8-bit moments (a ValueError at construction)
                 out.append(pytest.param(mode, impl, dtype, marks=marks, id=f"{mode}-{impl}-{str(dtype)[6:]}"))
     return out
 
@@ -755,8 +757,10 @@ def _resumed(weights, state, mode, impl, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("impl", ["reference", "fused"])
+@pytest.mark.parametrize("impl", ["reference", "fused", "cpp"])
 def test_checkpoint_resume_is_bit_for_bit(mode, impl):
+    if impl == "cpp" and mode == "compact":
+        pytest.skip("the C++ kernel has no 8-bit moments")
     model, opt, weights, state = _saved_run(mode, impl)
     state.seek(0)
     saved = torch.load(state, weights_only=True)
@@ -1024,7 +1028,7 @@ def _write_values(p, g):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("impl", ["reference", "foreach", "fused"])
+@pytest.mark.parametrize("impl", ["reference", "foreach", "fused", "cpp"])
 def test_user_writes_between_steps(dtype, impl):
     if impl == "fused" and not ALL_FUSED and ("split", dtype) not in FUSED_DEFAULT:
         pytest.skip(FUSED_SKIP)
@@ -1203,3 +1207,46 @@ def test_groups_may_repeat_the_state_format_but_not_change_it():
         halfadam.AdamW([{"params": [p], "state_mode": "split"}], state_mode="compact")
     with pytest.raises(ValueError, match=r"param_groups\[0\]: state_mode must be one of"):
         halfadam.AdamW([{"params": [p], "state_mode": "tiny"}])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_cpp_encodings_are_the_torch_encodings_bit_for_bit(dtype):
+    """The C++ kernel's encoders against encodings.py's: one step from the same start in the fp32 mode
+    (exact fp32 master and moments) and in the bf16 mode; the bf16 run's bytes must be
+    ``_split_encode_`` (remainder planes and tie byte) and ``_encode_moment_`` (hashed stochastic
+    rounding, seed = step 1) of the fp32 run's values. (Not against the foreach path: eager ATen's
+    float32 sqrt is not always correctly rounded, the C++ kernel's and Inductor's are.)"""
+    def run(mode):
+        torch.manual_seed(0)
+        params = [torch.randn(s).to(dtype).requires_grad_() for s in [(256, 3), (128,), (5,), (300, 257)]]
+        params.append(torch.full((256,), 1.71875).to(dtype).requires_grad_())  # equal weights: exact ties
+        opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation="cpp", state_mode=mode)
+        torch.manual_seed(1)
+        for p in params:
+            p.grad = torch.randn(p.shape).to(dtype)
+        params[-1].grad = torch.full((256,), 0.5).to(dtype)
+        opt.step()
+        return params, opt
+    (p32, o32), (pb, ob) = run("fp32"), run("bf16")
+    ties = 0
+    for a, b in zip(p32, pb):
+        assert torch.equal(a, b)
+        s32, sb = o32.state[a], ob.state[b]
+        n = a.numel()
+        padded = -(-n // 128) * 128
+        master = torch.zeros(padded)
+        master[:n] = s32["master_weight"].reshape(-1)
+        expected = {"master_hi": torch.empty(padded, dtype=torch.int8), "master_lo": torch.empty(padded, dtype=torch.uint8),
+                    "master_tie": torch.empty(padded // 128, dtype=torch.uint8)}
+        E._split_encode_(master, torch.empty(padded, dtype=dtype), expected["master_hi"], expected["master_lo"],
+                         expected["master_tie"])
+        for key in ("master_hi", "master_lo"):
+            assert torch.equal(sb[key].reshape(-1), expected[key][:n]), key
+        assert torch.equal(sb["master_tie"], expected["master_tie"])
+        ties += int((expected["master_tie"] > 0).sum())
+        for name in ("exp_avg", "exp_avg_sq"):
+            x = s32[name].reshape(-1).clone()
+            stored = {name: torch.empty(n, dtype=torch.bfloat16)}
+            E._encode_moment_(torch.bfloat16, name, x, stored, None, torch.tensor(1))
+            assert torch.equal(sb[name].reshape(-1), stored[name]), name
+    assert ties > 0 or dtype == torch.float16  # the bf16 run met exact ties (equal weights)

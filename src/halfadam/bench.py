@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
+from halfadam.cpu_kernel import supports
 from halfadam.encodings import PRESETS
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
@@ -123,8 +124,8 @@ def measure(args) -> List[Dict[str, Any]]:
         for dname in args.dtypes:
             for impl in args.impls:
                 for mode in args.state_modes:
-                    if impl == "cpp" and (mode != "fp32" or args.device != "cpu"):
-                        continue  # the C++ kernel runs the fp32 state format on the CPU only
+                    if impl == "cpp" and (not supports(PRESETS[mode]) or args.device != "cpu"):
+                        continue  # the C++ kernel: CPU only, no 8-bit moments
                     params = _make_params(case["numel"], case["tensors"], DTYPES[dname], args.device, 0)
                     configs.append((dict(impl=f"halfadam {impl}", dtype=dname, state=mode),
                                     halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl,
@@ -215,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS),
                         help="reference,foreach,fused,cpp (default all). reference: one update per tensor; foreach: "
                              "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
-                             "cpp: the hand-written C++ CPU kernel (fp32 state, CPU only: skipped elsewhere). "
+                             "cpp: the hand-written C++ CPU kernel (CPU only; state modes fp32, split, bf16: skipped elsewhere). "
                              "implementation='auto' runs cpp on the CPU where it builds, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else s.split(","),
                         default=["fp32", "compact"],

@@ -5,13 +5,13 @@
 * :func:`flat_step` over a :class:`halfadam.buckets.Bucket`: ``adam_coefficients`` eagerly (a few 0-d
   float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
   compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``);
-  or, for CPU buckets in the fp32 state format, the hand-written C++ kernel of
+  or, for CPU buckets in the state modes fp32, split and bf16, the hand-written C++ kernel of
   :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations, one call per bucket, reading every
   gradient and writing every parameter where it lies.
 
-Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in the fp32 state format when the kernel builds
-(it moves each byte once, at memory bandwidth, with no per-call entry cost); otherwise ``"fused"``
-(CUDA, the encoded state modes, or no C++ compiler); ``"foreach"`` once a compilation has failed.
+Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in a format it implements (:func:`halfadam.cpu_kernel.supports`)
+when the kernel builds (it moves each byte once, at memory bandwidth, with no per-call entry cost);
+otherwise ``"fused"`` (CUDA, 8-bit moments, or no C++ compiler); ``"foreach"`` once a compilation has failed.
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
@@ -209,7 +209,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     indices. ``implementation`` is ``"fused"`` (the kernel compiled by ``torch.compile``: Inductor
     C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run eagerly over the flat buffers
     in chunks of :data:`EAGER_CHUNK` elements on the CPU, whole on a GPU: a few ops per chunk
-    instead of per tensor), ``"cpp"`` (the C++ kernel: CPU buckets in the fp32 state format) or
+    instead of per tensor), ``"cpp"`` (the C++ kernel: CPU buckets in the fp32, split or bf16 format) or
     ``"auto"`` (cpp where it applies and builds, else fused, or foreach when compiling is
     impossible here).
     """
@@ -260,8 +260,8 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
 
 
 def cpp_applies(bucket: Bucket) -> bool:
-    """Whether the C++ kernel can step ``bucket``: on the CPU, state in the fp32 format."""
-    return bucket.device.type == "cpu" and bucket.format.is_fp32
+    """Whether the C++ kernel can step ``bucket``: on the CPU, in a state format it implements."""
+    return bucket.device.type == "cpu" and cpu_kernel.supports(bucket.format)
 
 
 def _cpp_kernel(bucket: Bucket, implementation: str):
@@ -276,12 +276,12 @@ def _cpp_kernel(bucket: Bucket, implementation: str):
     if not cpp_applies(bucket):
         if implementation == "cpp":
             raise RuntimeError(
-                f"implementation='cpp' runs CPU parameters with the fp32 state format only; this bucket is on "
+                f"implementation='cpp' runs CPU parameters in the state modes fp32, split and bf16 only; this bucket is on "
                 f"{bucket.device} in {bucket.format.describe()}: use implementation='auto' or 'fused'")
         return None
     kernel = cpu_kernel.load()
     if kernel is None and implementation == "cpp":
-        raise RuntimeError(f"implementation='cpp': the C++ CPU kernel cannot be built here "
+        raise RuntimeError(f"implementation='cpp': the C++ CPU kernel is unavailable here "
                            f"({cpu_kernel.unavailable_reason()}); use implementation='auto' or 'fused'")
     return kernel
 
@@ -299,9 +299,8 @@ def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyper
         offsets = [bucket.offsets[i] for i, _ in items]
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
-    kernel.adam_step(params, [g for _, g in items], bucket.flat.get("master_weight"), bucket.flat["exp_avg"],
-                     bucket.flat["exp_avg_sq"], offsets, coefficients, grad_scale, hp.decay == "l2",
-                     hp.optimized_update)
+    kernel.adam_step(params, [g for _, g in items], bucket.flat, offsets, coefficients, grad_scale,
+                     hp.decay == "l2", hp.optimized_update, step)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

@@ -78,9 +78,9 @@ class _AdamBase(torch.optim.Optimizer):
         self.implementation = implementation
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
-        if implementation == "cpp" and not self.state_format.is_fp32:
-            raise ValueError(f"implementation='cpp' runs the fp32 state format only, got state_mode={state_mode!r} "
-                             f"({self.state_format.describe()}): use implementation='auto' or 'fused'")
+        if implementation == "cpp" and not cpu_kernel.supports(self.state_format):
+            raise ValueError(f"implementation='cpp' runs the state modes fp32, split and bf16, got "
+                             f"{self.state_format.describe()}: use implementation='auto' or 'fused'")
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step

@@ -1,5 +1,5 @@
-// halfadam's hand-written CPU kernel: one Adam/AdamW step over a list of parameters whose fp32 state
-// (master weights, exp_avg, exp_avg_sq) lives in flat buffers, in one call (the "cpp" implementation).
+// halfadam's hand-written CPU kernel: one Adam/AdamW step over a list of parameters whose state lives in
+// a bucket's flat buffers, in one call (the "cpp" implementation).
 //
 // The equations are halfadam.functional's, term for term and in the same order of operations
 // (halfadam.functional.adam_elementwise_ with tensor coefficients, halfadam.functional.sync_master_);
@@ -15,7 +15,13 @@
 //   w  = w - (m / d) * c.step_size
 //   master = w;  p = round(w)   (round to nearest even, as Tensor.copy_)
 //
-// Work is split over torch's intra-op threads (at::parallel_for) by element ranges across the list.
+// State encodings (halfadam.encodings is their specification; the functions named there are mirrored
+// here bit for bit): the master is fp32 ("master_weight") or split ("master_hi" int8, "master_lo"
+// uint8, "master_tie" uint8 per 128-element block: encodings._split_decode / _split_encode_); the
+// moments are both float32 or both bfloat16 (decoded exactly, encoded by stochastic rounding with
+// encodings._random_bits' hash of the value, the step and a salt).
+//
+// Work is split over torch's intra-op threads (at::parallel_for) by 128-element blocks across the list.
 // Each element is read and written once, in one loop: 8 lanes at a time with AVX2 (F16C converts
 // float16, integer ops round bfloat16), one at a time for the tail and on other CPUs.
 #include <torch/extension.h>
@@ -25,6 +31,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -126,141 +134,309 @@ inline void adam_lanes(V& w, V g, V& m, V& v, const Coefficients<V>& c) {
   w = w - (m / d) * c.step_size;
 }
 
+// ---------------------------------------------------------------- state encodings (halfadam.encodings)
+enum class Master { kNone, kFp32, kSplit };
+constexpr int64_t BLOCK = 128;  // encodings.BLOCK
+
+// encodings._random_bits with the seed folded in: seed_term = (step * 0x27D4EB2F + salt) mod 2**32
+inline uint32_t hash1(uint32_t x, uint32_t seed_term) {
+  uint32_t h = x ^ seed_term;
+  h = (h ^ (h >> 16)) * 0x7FEB352Du;
+  h = (h ^ (h >> 15)) * 0x2C1B3C6Du;
+  h = (h ^ (h >> 16)) * 0x297A2D39u;
+  return h ^ (h >> 15);
+}
+// encodings._encode_moment_ for bfloat16: add 16 random bits below bf16's, truncate
+inline void store_moment1(float* p, float x, uint32_t) { *p = x; }
+inline void store_moment1(at::BFloat16* p, float x, uint32_t seed_term) {
+  const uint32_t u = float_to_bits(x);
+  p->x = static_cast<uint16_t>((u + (hash1(u, seed_term) >> 16)) >> 16);
+}
+// encodings._fp16_ulp: 2**(max(e, -14) - 10) for |x| in [2**e, 2**(e+1)), from x's float32 bits
+inline float fp16_ulp1(float x) {
+  const int32_t e = std::max<int32_t>(static_cast<int32_t>((float_to_bits(x) >> 23) & 0xFF), 127 - 14);
+  return bits_to_float(static_cast<uint32_t>(e - 10) << 23);
+}
+// encodings._split_decode for one element, before the master-sync check: p + remainder r
+inline float split_decode1(at::BFloat16, float p, int32_t r) {
+  return bits_to_float(float_to_bits(p) + static_cast<uint32_t>(r));
+}
+inline float split_decode1(at::Half, float p, int32_t r) {
+  return p + static_cast<float>(r) * (fp16_ulp1(p) * (1.0f / 65536.0f));
+}
+// encodings._split_remainder of w over its rounding rounded (a float32 holding the fp16/bf16 value)
+inline int32_t split_remainder1(at::BFloat16, float w, float rounded) {
+  return static_cast<int32_t>(float_to_bits(w) - float_to_bits(rounded));
+}
+inline int32_t split_remainder1(at::Half, float w, float rounded) {
+  if (!std::isfinite(rounded)) return 0;
+  return static_cast<int32_t>(std::nearbyint((w - rounded) / fp16_ulp1(rounded) * 65536.0f));
+}
+
+#ifdef HALFADAM_AVX2
+inline __m256i hash8(__m256i x, __m256i seed_term) {
+  __m256i h = _mm256_xor_si256(x, seed_term);
+  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), _mm256_set1_epi32(0x7FEB352D));
+  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 15)), _mm256_set1_epi32(0x2C1B3C6D));
+  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), _mm256_set1_epi32(0x297A2D39));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+}
+inline void store_moment8(float* p, V8 x, __m256i) { store8(p, x); }
+inline void store_moment8(at::BFloat16* p, V8 x, __m256i seed_term) {
+  const __m256i u = _mm256_castps_si256(x.x);
+  const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(hash8(u, seed_term), 16)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+}
+inline V8 fp16_ulp8(V8 x) {
+  __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x.x), 23), _mm256_set1_epi32(0xFF));
+  e = _mm256_max_epi32(e, _mm256_set1_epi32(127 - 14));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(10)), 23));
+}
+inline V8 split_decode8(at::BFloat16, V8 p, __m256i r) {
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p.x), r));
+}
+inline V8 split_decode8(at::Half, V8 p, __m256i r) {
+  return p + V8(_mm256_cvtepi32_ps(r)) * (fp16_ulp8(p) * V8(1.0f / 65536.0f));
+}
+inline __m256i split_remainder8(at::BFloat16, V8 w, V8 rounded) {
+  return _mm256_sub_epi32(_mm256_castps_si256(w.x), _mm256_castps_si256(rounded.x));
+}
+inline __m256i split_remainder8(at::Half, V8 w, V8 rounded) {
+  const V8 q = (w - rounded) / fp16_ulp8(rounded) * V8(65536.0f);
+  const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(q.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // finite: exponent bits not all ones
+  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(rounded.x), _mm256_set1_epi32(0x7F800000));
+  const __m256i nonfinite = _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
+  return _mm256_andnot_si256(nonfinite, r);
+}
+template <typename P> inline V8 rounded8(V8 w);  // round(w) to P, as float32
+template <> inline V8 rounded8<at::BFloat16>(V8 w) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(w)), 16));
+}
+template <> inline V8 rounded8<at::Half>(V8 w) { return _mm256_cvtph_ps(f16_bits8(w)); }
+#endif
+
 struct Item {
   void* param;
   const void* grad;
-  int64_t offset;  // into the flat state buffers
+  int64_t numel;
+  int64_t offset;  // into the flat state buffers (a multiple of BLOCK with a split master)
 };
 
 struct Step {
-  float* master;  // nullptr: the parameter (float32) is the weight
-  float* exp_avg;
-  float* exp_avg_sq;
-  float c[9];  // adam_coefficients, then the gradient scale (1 without one: g * 1 == g exactly)
+  float* master;            // fp32 master weights (Master::kFp32)
+  int8_t* master_hi;        // split master (Master::kSplit): remainder bytes and per-block tie lane + 1
+  uint8_t* master_lo;
+  uint8_t* master_tie;
+  void* exp_avg;            // float32 or bfloat16, both alike
+  void* exp_avg_sq;
+  float c[9];               // adam_coefficients, then the gradient scale (1 without one: g * 1 == g exactly)
+  uint32_t seed_exp_avg, seed_exp_avg_sq;  // hash seeds of the bfloat16 moments' stochastic rounding
 };
 
-// Elements a..b of one parameter. P: the parameter's dtype, G: the gradient's; MASTER: an fp32 master
-// weight is updated (else the parameter, float32, is the weight).
-template <typename P, typename G, bool MASTER, bool L2, bool OPTIMIZED>
+// Elements a..b (a a multiple of BLOCK) of one parameter. P: the parameter's dtype, G: the gradient's,
+// MS: how the master is kept (kNone: the parameter, float32, is the weight), M: the moments' dtype.
+template <typename P, typename G, Master MS, typename M, bool L2, bool OPTIMIZED>
 void run(const Step& s, const Item& it, int64_t a, int64_t b) {
   P* param = static_cast<P*>(it.param);
   const G* grad = static_cast<const G*>(it.grad);
-  float* master = MASTER ? s.master + it.offset : nullptr;
-  float* m = s.exp_avg + it.offset;
-  float* v = s.exp_avg_sq + it.offset;
-  int64_t i = a;
+  M* m = static_cast<M*>(s.exp_avg) + it.offset;
+  M* v = static_cast<M*>(s.exp_avg_sq) + it.offset;
+  float* master = MS == Master::kFp32 ? s.master + it.offset : nullptr;
+  const Coefficients<float> c1(s.c);
 #ifdef HALFADAM_AVX2
   const Coefficients<V8> c8(s.c);
-  for (; i + 8 <= b; i += 8) {
-    V8 w, mi = load8(m + i), vi = load8(v + i);
-    const V8 g = load8(grad + i) * c8.grad_scale;
-    if constexpr (MASTER) {
-      const V8 p = load8(param + i);
-      w = load8(master + i);
-      w = select8(stale8<P>(p, w), w, p);  // master sync
-    } else {
-      w = load8(param + i);
-    }
-    adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c8);
-    store8(m + i, mi);
-    store8(v + i, vi);
-    if constexpr (MASTER) store8(master + i, w);
-    store8(param + i, w);
-  }
+  const __m256i seed_m = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg));
+  const __m256i seed_v = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg_sq));
 #endif
-  const Coefficients<float> c1(s.c);
-  for (; i < b; ++i) {
-    float w, mi = m[i], vi = v[i];
-    const float g = load1(grad + i) * c1.grad_scale;
-    if constexpr (MASTER) {
-      const float p = load1(param + i);
-      w = select1(differ1(p, round1<P>(master[i])), master[i], p);  // master sync
-    } else {
-      w = param[i];
+  alignas(32) int32_t rem[BLOCK];  // split: the block's new remainders, before the tie rule
+  for (int64_t start = a; start < b; start += BLOCK) {
+    const int64_t end = std::min(start + BLOCK, b);
+    int32_t tie_lane = -1;
+    if constexpr (MS == Master::kSplit) tie_lane = static_cast<int32_t>(s.master_tie[(it.offset + start) / BLOCK]) - 1;
+    int64_t i = start;
+#ifdef HALFADAM_AVX2
+    for (; i + 8 <= end; i += 8) {
+      V8 w, mi = load8(m + i), vi = load8(v + i);
+      const V8 g = load8(grad + i) * c8.grad_scale;
+      if constexpr (MS == Master::kNone) {
+        w = load8(reinterpret_cast<float*>(param) + i);
+      } else {
+        const V8 p = load8(param + i);
+        if constexpr (MS == Master::kFp32) {
+          w = load8(master + i);
+        } else {  // r = hi * 256 + lo + 65536 in the block's tie lane
+          const int64_t j = it.offset + i;
+          __m256i r = _mm256_add_epi32(
+              _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.master_hi + j))), 8),
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.master_lo + j))));
+          const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i - start)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_cmpeq_epi32(lane, _mm256_set1_epi32(tie_lane)),
+                                                   _mm256_set1_epi32(65536)));
+          w = split_decode8(P(), p, r);
+        }
+        w = select8(stale8<P>(p, w), w, p);  // master sync
+      }
+      adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c8);
+      store_moment8(m + i, mi, seed_m);
+      store_moment8(v + i, vi, seed_v);
+      if constexpr (MS == Master::kFp32) store8(master + i, w);
+      if constexpr (MS == Master::kSplit)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rem + (i - start)), split_remainder8(P(), w, rounded8<P>(w)));
+      store8(param + i, w);
     }
-    adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c1);
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (MASTER) master[i] = w;
-    store1(param + i, w);
+#endif
+    for (; i < end; ++i) {
+      float w, mi = load1(m + i), vi = load1(v + i);
+      const float g = load1(grad + i) * c1.grad_scale;
+      if constexpr (MS == Master::kNone) {
+        w = reinterpret_cast<float*>(param)[i];
+      } else {
+        const float p = load1(param + i);
+        if constexpr (MS == Master::kFp32) {
+          w = master[i];
+        } else {
+          const int64_t j = it.offset + i;
+          const int32_t r = static_cast<int32_t>(s.master_hi[j]) * 256 + static_cast<int32_t>(s.master_lo[j]) +
+                            (i - start == tie_lane ? 65536 : 0);
+          w = split_decode1(P(), p, r);
+        }
+        w = select1(differ1(p, round1<P>(w)), w, p);  // master sync
+      }
+      adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c1);
+      store_moment1(m + i, mi, s.seed_exp_avg);
+      store_moment1(v + i, vi, s.seed_exp_avg_sq);
+      if constexpr (MS == Master::kFp32) master[i] = w;
+      store1(param + i, w);
+      if constexpr (MS == Master::kSplit) rem[i - start] = split_remainder1(P(), w, load1(param + i));
+    }
+    if constexpr (MS == Master::kSplit) {  // the tie rule of encodings._split_encode_, then the two byte planes
+      const int64_t n = end - start, j = it.offset + start;
+      int64_t first = n;
+      for (int64_t k = 0; k < n; ++k)
+        if (rem[k] == 32768) { first = k; break; }
+      s.master_tie[j / BLOCK] = first < n ? static_cast<uint8_t>(first + 1) : 0;
+      for (int64_t k = 0; k < n; ++k) {
+        const int32_t r = k == first ? -32768 : std::min(std::max(rem[k], -32768), 32767);
+        s.master_hi[j + k] = static_cast<int8_t>(r >> 8);
+        s.master_lo[j + k] = static_cast<uint8_t>(r & 255);
+      }
+    }
   }
 }
 
 using RunFn = void (*)(const Step&, const Item&, int64_t, int64_t);
 
-template <typename P, typename G, bool MASTER>
-RunFn pick3(bool l2, bool optimized) {
-  return l2 ? (optimized ? &run<P, G, MASTER, true, true> : &run<P, G, MASTER, true, false>)
-            : (optimized ? &run<P, G, MASTER, false, true> : &run<P, G, MASTER, false, false>);
+template <typename P, typename G, Master MS, typename M>
+RunFn pick4(bool l2, bool optimized) {
+  return l2 ? (optimized ? &run<P, G, MS, M, true, true> : &run<P, G, MS, M, true, false>)
+            : (optimized ? &run<P, G, MS, M, false, true> : &run<P, G, MS, M, false, false>);
 }
 
-template <typename P, bool MASTER>
-RunFn pick2(at::ScalarType grad, bool l2, bool optimized) {
+template <typename P, Master MS, typename M>
+RunFn pick3(at::ScalarType grad, bool l2, bool optimized) {
   switch (grad) {
-    case at::kFloat: return pick3<P, float, MASTER>(l2, optimized);
-    case at::kHalf: return pick3<P, at::Half, MASTER>(l2, optimized);
-    default: return pick3<P, at::BFloat16, MASTER>(l2, optimized);
+    case at::kFloat: return pick4<P, float, MS, M>(l2, optimized);
+    case at::kHalf: return pick4<P, at::Half, MS, M>(l2, optimized);
+    default: return pick4<P, at::BFloat16, MS, M>(l2, optimized);
   }
 }
 
-// float16/bfloat16 parameters always have a master (checked by the caller), float32 ones may.
-RunFn pick(at::ScalarType param, at::ScalarType grad, bool master, bool l2, bool optimized) {
-  switch (param) {
-    case at::kFloat: return master ? pick2<float, true>(grad, l2, optimized) : pick2<float, false>(grad, l2, optimized);
-    case at::kHalf: return pick2<at::Half, true>(grad, l2, optimized);
-    default: return pick2<at::BFloat16, true>(grad, l2, optimized);
-  }
+// Callers check supported() first: any other dtype never reaches these switches.
+template <typename M>
+RunFn pick2(at::ScalarType param, at::ScalarType grad, Master ms, bool l2, bool optimized) {
+  if (param == at::kFloat)  // float32 parameters: no master, or an fp32 one (master_weights=True)
+    return ms == Master::kNone ? pick3<float, Master::kNone, M>(grad, l2, optimized)
+                               : pick3<float, Master::kFp32, M>(grad, l2, optimized);
+  if (param == at::kHalf)
+    return ms == Master::kSplit ? pick3<at::Half, Master::kSplit, M>(grad, l2, optimized)
+                                : pick3<at::Half, Master::kFp32, M>(grad, l2, optimized);
+  return ms == Master::kSplit ? pick3<at::BFloat16, Master::kSplit, M>(grad, l2, optimized)
+                              : pick3<at::BFloat16, Master::kFp32, M>(grad, l2, optimized);
 }
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
+uint32_t seed_term(int64_t step, uint32_t salt) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(step) * 0x27D4EB2Full + salt);
+}
+
 }  // namespace
 
-// One step for params[k] (gradient grads[k], state at offsets[k] of the flat buffers), k = 0..K-1.
+// One step for params[k] (gradient grads[k], state at offsets[k] of the flat buffers in `state`, keyed
+// as halfadam.encodings names them), k = 0..K-1. `step` seeds the stochastic rounding.
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const c10::optional<at::Tensor>& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-               const std::vector<int64_t>& offsets, const std::vector<double>& coefficients,
-               const c10::optional<at::Tensor>& grad_scale, bool l2, bool optimized_update) {
+               const std::map<std::string, at::Tensor>& state, const std::vector<int64_t>& offsets,
+               const std::vector<double>& coefficients, const c10::optional<at::Tensor>& grad_scale, bool l2,
+               bool optimized_update, int64_t step) {
   const int64_t K = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K,
               "adam_step: params, grads and offsets differ in length");
   TORCH_CHECK(coefficients.size() == 8, "adam_step: expected 8 coefficients");
-  const bool has_master = master.has_value() && master->defined();
-  auto check_state = [](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "adam_step: ", name, " must be a contiguous float32 CPU tensor");
+  auto get = [&](const char* key, at::ScalarType dtype) -> at::Tensor {  // undefined if absent
+    auto found = state.find(key);
+    if (found == state.end()) return at::Tensor();
+    const at::Tensor& t = found->second;
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.dim() == 1,
+                "adam_step: state['", key, "'] must be a contiguous 1-D ", dtype, " CPU tensor");
+    return t;
   };
-  check_state(exp_avg, "exp_avg");
-  check_state(exp_avg_sq, "exp_avg_sq");
-  if (has_master) {
-    check_state(*master, "master");
-    TORCH_CHECK(master->numel() == exp_avg.numel(), "adam_step: master and exp_avg differ in length");
-  }
-  TORCH_CHECK(exp_avg_sq.numel() == exp_avg.numel(), "adam_step: exp_avg and exp_avg_sq differ in length");
+  const auto found = state.find("exp_avg");
+  TORCH_CHECK(found != state.end() && (found->second.scalar_type() == at::kFloat ||
+                                       found->second.scalar_type() == at::kBFloat16),
+              "adam_step: state['exp_avg'] must be float32 or bfloat16");
+  const at::ScalarType mdtype = found->second.scalar_type();
+  const at::Tensor exp_avg = get("exp_avg", mdtype), exp_avg_sq = get("exp_avg_sq", mdtype);
+  TORCH_CHECK(exp_avg_sq.defined(), "adam_step: state['exp_avg_sq'] must have exp_avg's dtype");
+  const int64_t total_state = exp_avg.numel();
+  TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
+  const at::Tensor master = get("master_weight", at::kFloat);
+  const at::Tensor hi = get("master_hi", at::kChar), lo = get("master_lo", at::kByte);
+  const at::Tensor tie = get("master_tie", at::kByte);
+  const Master ms = master.defined() ? Master::kFp32 : lo.defined() ? Master::kSplit : Master::kNone;
+  if (ms == Master::kFp32) TORCH_CHECK(master.numel() == total_state, "adam_step: master_weight's length");
+  if (ms == Master::kSplit)
+    TORCH_CHECK(hi.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state &&
+                    tie.numel() * BLOCK == total_state,
+                "adam_step: a split master needs master_hi, master_lo (one per element) and master_tie (one per block)");
+  for (const auto& kv : state)
+    TORCH_CHECK(kv.first == "master_weight" || kv.first == "master_hi" || kv.first == "master_lo" ||
+                    kv.first == "master_tie" || kv.first == "exp_avg" || kv.first == "exp_avg_sq",
+                "adam_step: unsupported state entry '", kv.first, "'");
 
-  Step s;
-  s.master = has_master ? master->data_ptr<float>() : nullptr;
-  s.exp_avg = exp_avg.data_ptr<float>();
-  s.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  Step s{};
+  s.master = ms == Master::kFp32 ? master.data_ptr<float>() : nullptr;
+  s.master_hi = ms == Master::kSplit ? hi.data_ptr<int8_t>() : nullptr;
+  s.master_lo = ms == Master::kSplit ? lo.data_ptr<uint8_t>() : nullptr;
+  s.master_tie = ms == Master::kSplit ? tie.data_ptr<uint8_t>() : nullptr;
+  s.exp_avg = exp_avg.data_ptr();
+  s.exp_avg_sq = exp_avg_sq.data_ptr();
   for (int j = 0; j < 8; ++j) s.c[j] = static_cast<float>(coefficients[j]);
   s.c[8] = grad_scale.has_value() && grad_scale->defined() ? grad_scale->item<float>() : 1.0f;
+  s.seed_exp_avg = seed_term(step, 0x3C6EF372u);     // encodings._SALT
+  s.seed_exp_avg_sq = seed_term(step, 0x1B873593u);
 
   // Validate everything before writing anything; non-contiguous tensors go through contiguous copies.
   std::vector<Item> items(K);
   std::vector<RunFn> fns(K);
-  std::vector<int64_t> starts(K + 1, 0);
+  std::vector<int64_t> starts(K + 1, 0);  // in blocks of BLOCK elements
   std::vector<at::Tensor> keep;                                // contiguous copies of strided grads
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;   // (param, its contiguous copy)
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor p = params[k], g = grads[k];
     const int64_t n = p.numel();
     TORCH_CHECK(p.device().is_cpu() && g.device().is_cpu(), "adam_step: params[", k, "] or its grad is not on the CPU");
-    TORCH_CHECK(supported(p.scalar_type()) && supported(g.scalar_type()), "adam_step: params[", k,
-                "]: unsupported dtype");
-    TORCH_CHECK(has_master || p.scalar_type() == at::kFloat, "adam_step: params[", k,
+    TORCH_CHECK(supported(p.scalar_type()) && supported(g.scalar_type()), "adam_step: params[", k, "] (",
+                p.scalar_type(), ") or its gradient (", g.scalar_type(), "): only float32, float16 and bfloat16");
+    TORCH_CHECK(ms != Master::kNone || p.scalar_type() == at::kFloat, "adam_step: params[", k,
                 "]: float16/bfloat16 parameters need a master");
+    TORCH_CHECK(ms != Master::kSplit || p.scalar_type() != at::kFloat, "adam_step: params[", k,
+                "]: a split master needs a float16/bfloat16 parameter");
     TORCH_CHECK(g.numel() == n, "adam_step: grads[", k, "] has ", g.numel(), " elements, its parameter ", n);
-    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= exp_avg.numel(), "adam_step: offsets[", k, "] out of range");
+    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= total_state && (ms != Master::kSplit || offsets[k] % BLOCK == 0),
+                "adam_step: offsets[", k, "] out of range or not block-aligned");
     if (!g.is_contiguous()) {
       g = g.contiguous();
       keep.push_back(g);
@@ -270,19 +446,20 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       write_back.emplace_back(p, c);
       p = c;
     }
-    items[k] = Item{p.data_ptr(), g.data_ptr(), offsets[k]};
-    fns[k] = pick(p.scalar_type(), g.scalar_type(), has_master, l2, optimized_update);
-    starts[k + 1] = starts[k] + n;
+    items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k]};
+    fns[k] = mdtype == at::kFloat ? pick2<float>(p.scalar_type(), g.scalar_type(), ms, l2, optimized_update)
+                                  : pick2<at::BFloat16>(p.scalar_type(), g.scalar_type(), ms, l2, optimized_update);
+    starts[k + 1] = starts[k] + (n + BLOCK - 1) / BLOCK;
   }
-  const int64_t total = starts[K];
   {
     pybind11::gil_scoped_release no_gil;
-    at::parallel_for(0, total, GRAIN, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, starts[K], GRAIN / BLOCK, [&](int64_t begin, int64_t end) {
       int64_t k = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
-      for (int64_t e = begin; e < end; ++k) {
+      for (int64_t u = begin; u < end; ++k) {
         const int64_t stop = std::min(end, starts[k + 1]);
-        if (stop > e) fns[k](s, items[k], e - starts[k], stop - starts[k]);
-        e = stop;
+        if (stop > u)
+          fns[k](s, items[k], (u - starts[k]) * BLOCK, std::min(items[k].numel, (stop - starts[k]) * BLOCK));
+        u = stop;
       }
     });
   }
@@ -309,6 +486,6 @@ int64_t first_invalid(const std::vector<at::Tensor>& params, const std::vector<a
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adam_step", &adam_step, "halfadam: one Adam/AdamW step over a list of parameters with flat fp32 state");
+  m.def("adam_step", &adam_step, "halfadam: one Adam/AdamW step over a list of parameters with flat state buffers");
   m.def("first_invalid", &first_invalid, "halfadam: index of the first invalid (param, grad) pair, or -1");
 }
