@@ -210,11 +210,10 @@ inline __m256i split_remainder8(at::Half, V8 w, V8 rounded) {
   const __m256i nonfinite = _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
   return _mm256_andnot_si256(nonfinite, r);
 }
-template <typename P> inline V8 rounded8(V8 w);  // round(w) to P, as float32
-template <> inline V8 rounded8<at::BFloat16>(V8 w) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(w)), 16));
-}
-template <> inline V8 rounded8<at::Half>(V8 w) { return _mm256_cvtph_ps(f16_bits8(w)); }
+inline __m128i half_bits8(at::BFloat16, V8 w) { return bf16_bits8(w); }  // round(w) to P: 8 x 16 bits
+inline __m128i half_bits8(at::Half, V8 w) { return f16_bits8(w); }
+inline V8 widen8(at::BFloat16, __m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V8 widen8(at::Half, __m128i h) { return _mm256_cvtph_ps(h); }
 #endif
 
 struct Item {
@@ -253,7 +252,8 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
   alignas(32) int32_t rem[BLOCK];  // split: the block's new remainders, before the tie rule
   for (int64_t start = a; start < b; start += BLOCK) {
     const int64_t end = std::min(start + BLOCK, b);
-    int32_t tie_lane = -1;
+    int32_t tie_lane = -1;   // split: the lane whose remainder is +2**15 (decode)
+    int32_t first_tie = -1;  // split: the first new remainder of +2**15 (encode)
     if constexpr (MS == Master::kSplit) tie_lane = static_cast<int32_t>(s.master_tie[(it.offset + start) / BLOCK]) - 1;
     int64_t i = start;
 #ifdef HALFADAM_AVX2
@@ -283,9 +283,16 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
       store_moment8(m + i, mi, seed_m);
       store_moment8(v + i, vi, seed_v);
       if constexpr (MS == Master::kFp32) store8(master + i, w);
-      if constexpr (MS == Master::kSplit)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(rem + (i - start)), split_remainder8(P(), w, rounded8<P>(w)));
-      store8(param + i, w);
+      if constexpr (MS == Master::kSplit) {  // round once: the parameter's bits, and the remainder over them
+        const __m128i bits = half_bits8(P(), w);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), bits);
+        const __m256i r = split_remainder8(P(), w, widen8(P(), bits));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rem + (i - start)), r);
+        const int ties = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_set1_epi32(32768))));
+        if (ties != 0 && first_tie < 0) first_tie = static_cast<int32_t>(i - start) + __builtin_ctz(ties);
+      } else {
+        store8(param + i, w);
+      }
     }
 #endif
     for (; i < end; ++i) {
@@ -310,18 +317,21 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
       store_moment1(v + i, vi, s.seed_exp_avg_sq);
       if constexpr (MS == Master::kFp32) master[i] = w;
       store1(param + i, w);
-      if constexpr (MS == Master::kSplit) rem[i - start] = split_remainder1(P(), w, load1(param + i));
+      if constexpr (MS == Master::kSplit) {
+        rem[i - start] = split_remainder1(P(), w, load1(param + i));
+        if (rem[i - start] == 32768 && first_tie < 0) first_tie = static_cast<int32_t>(i - start);
+      }
     }
     if constexpr (MS == Master::kSplit) {  // the tie rule of encodings._split_encode_, then the two byte planes
       const int64_t n = end - start, j = it.offset + start;
-      int64_t first = n;
-      for (int64_t k = 0; k < n; ++k)
-        if (rem[k] == 32768) { first = k; break; }
-      s.master_tie[j / BLOCK] = first < n ? static_cast<uint8_t>(first + 1) : 0;
+      s.master_tie[j / BLOCK] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie in the block
+      int8_t* __restrict hi = s.master_hi + j;  // local restrict pointers: byte stores may alias anything
+      uint8_t* __restrict lo = s.master_lo + j;
+      const int32_t* __restrict rr = rem;
       for (int64_t k = 0; k < n; ++k) {
-        const int32_t r = k == first ? -32768 : std::min(std::max(rem[k], -32768), 32767);
-        s.master_hi[j + k] = static_cast<int8_t>(r >> 8);
-        s.master_lo[j + k] = static_cast<uint8_t>(r & 255);
+        const int32_t r = k == first_tie ? -32768 : std::min(std::max(rr[k], -32768), 32767);
+        hi[k] = static_cast<int8_t>(r >> 8);
+        lo[k] = static_cast<uint8_t>(r & 255);
       }
     }
   }
