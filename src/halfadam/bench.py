@@ -1,11 +1,12 @@
 """``halfadam bench``: one optimizer step's time for every halfadam implementation against torch.
 
 For each case (parameters split into equal tensors) and each parameter dtype (float16, bfloat16,
-float32) it times ``halfadam.AdamW(implementation=...)`` for ``reference``, ``foreach`` and ``fused``,
-and ``torch.optim.AdamW`` on float32 parameters with ``foreach=False`` (for-loop), ``foreach=True``
-and ``fused=True``, all in the same run. Configurations are timed round-robin (one step each per
-round, after warm-up rounds that include the first-step compilation) and the median per
-configuration is reported, so load from other processes affects every column alike.
+float32) it times ``halfadam.AdamW(implementation=...)`` for ``reference``, ``foreach``, ``fused`` and
+``cpp`` (the C++ CPU kernel, where it applies), and ``torch.optim.AdamW`` on float32 parameters with
+``foreach=False`` (for-loop), ``foreach=True`` and ``fused=True``, all in the same run.
+Configurations are timed round-robin (one step each per round, after warm-up rounds that include the
+first-step compilation) and the median per configuration is reported, so load from other processes
+affects every column alike.
 
 Figures: ms per step; ns per parameter; GB/s at the nominal 28 bytes per parameter that a
 mixed-precision or fp32 AdamW step must move (read grad, read+write weight, moments; see the README);
