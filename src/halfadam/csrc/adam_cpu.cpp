@@ -249,7 +249,6 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
   const __m256i seed_m = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg));
   const __m256i seed_v = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg_sq));
 #endif
-  alignas(32) int32_t rem[BLOCK];  // split: the block's new remainders, before the tie rule
   for (int64_t start = a; start < b; start += BLOCK) {
     const int64_t end = std::min(start + BLOCK, b);
     int32_t tie_lane = -1;   // split: the lane whose remainder is +2**15 (decode)
@@ -287,9 +286,21 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
         const __m128i bits = half_bits8(P(), w);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), bits);
         const __m256i r = split_remainder8(P(), w, widen8(P(), bits));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(rem + (i - start)), r);
+        // the tie rule: the block's first remainder of +2**15 is stored as -2**15 (flagged by the tie
+        // byte), any other is clamped to 2**15 - 1 with the rest
+        __m256i q = _mm256_min_epi32(_mm256_max_epi32(r, _mm256_set1_epi32(-32768)), _mm256_set1_epi32(32767));
         const int ties = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_set1_epi32(32768))));
-        if (ties != 0 && first_tie < 0) first_tie = static_cast<int32_t>(i - start) + __builtin_ctz(ties);
+        if (ties != 0 && first_tie < 0) {
+          const int lane = __builtin_ctz(ties);
+          first_tie = static_cast<int32_t>(i - start) + lane;
+          const __m256i at = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane));
+          q = _mm256_blendv_epi8(q, _mm256_set1_epi32(-32768), at);
+        }
+        const __m256i hi = _mm256_srai_epi32(q, 8), lo = _mm256_and_si256(q, _mm256_set1_epi32(255));
+        const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+        const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(s.master_hi + it.offset + i), _mm_packs_epi16(hi16, hi16));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(s.master_lo + it.offset + i), _mm_packus_epi16(lo16, lo16));
       } else {
         store8(param + i, w);
       }
@@ -317,23 +328,19 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
       store_moment1(v + i, vi, s.seed_exp_avg_sq);
       if constexpr (MS == Master::kFp32) master[i] = w;
       store1(param + i, w);
-      if constexpr (MS == Master::kSplit) {
-        rem[i - start] = split_remainder1(P(), w, load1(param + i));
-        if (rem[i - start] == 32768 && first_tie < 0) first_tie = static_cast<int32_t>(i - start);
+      if constexpr (MS == Master::kSplit) {  // the tie rule, as above
+        int32_t r = split_remainder1(P(), w, load1(param + i));
+        if (r == 32768 && first_tie < 0) {
+          first_tie = static_cast<int32_t>(i - start);
+          r = -32768;
+        }
+        r = std::min(std::max(r, -32768), 32767);
+        s.master_hi[it.offset + i] = static_cast<int8_t>(r >> 8);
+        s.master_lo[it.offset + i] = static_cast<uint8_t>(r & 255);
       }
     }
-    if constexpr (MS == Master::kSplit) {  // the tie rule of encodings._split_encode_, then the two byte planes
-      const int64_t n = end - start, j = it.offset + start;
-      s.master_tie[j / BLOCK] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie in the block
-      int8_t* __restrict hi = s.master_hi + j;  // local restrict pointers: byte stores may alias anything
-      uint8_t* __restrict lo = s.master_lo + j;
-      const int32_t* __restrict rr = rem;
-      for (int64_t k = 0; k < n; ++k) {
-        const int32_t r = k == first_tie ? -32768 : std::min(std::max(rr[k], -32768), 32767);
-        hi[k] = static_cast<int8_t>(r >> 8);
-        lo[k] = static_cast<uint8_t>(r & 255);
-      }
-    }
+    if constexpr (MS == Master::kSplit)
+      s.master_tie[(it.offset + start) / BLOCK] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie in the block
   }
 }
 
