@@ -11,8 +11,8 @@ first pair they would reject). Its equations are
 and F16C where the CPU has them, split over torch's intra-op threads (``torch.set_num_threads``).
 
 It is compiled by :func:`torch.utils.cpp_extension.load` (gcc or clang, and ninja) with
-``-O3 -march=native -ffp-contract=off -fopenmp``, once per source, torch version and CPU: the build
-directory's name carries a digest of all three, under ``TORCH_EXTENSIONS_DIR`` (default
+``-O3 -march=native -ffp-contract=off -fopenmp``, once per source, torch version, CPU and compiler
+(``CXX``): the build directory's name carries a digest of them, under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``). The first build takes about a minute; later processes load it in
 well under a second. Where it cannot be built (no compiler, no ninja, a failed build) :func:`load`
 returns ``None`` and :func:`unavailable_reason` says why (also logged), and ``implementation="auto"``
@@ -83,7 +83,9 @@ def load() -> Optional[ModuleType]:
         if setting.strip().lower() in ("0", "false", "off", "no"):
             _reason = f"disabled (HALFADAM_CPP={setting})"
             return None
-        digest = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, _cpu_signature())).encode())
+        compiler = os.environ.get("CXX", "c++")  # a fixed or changed compiler gets a new build directory
+        digest = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, _cpu_signature(),
+                                                            compiler)).encode())
         name = f"halfadam_cpu_{digest.hexdigest()[:16]}"
         failed: Optional[Path] = None
         try:
@@ -93,6 +95,7 @@ def load() -> Optional[ModuleType]:
             failed = Path(build_dir) / "halfadam_build_failed.txt"
             if failed.exists():
                 _reason = f"{failed.read_text().strip()} (an earlier build; delete {failed} to retry)"
+                _log.warning("halfadam: the C++ CPU kernel is skipped: %s", _reason)
                 return None
             if not (Path(build_dir) / f"{name}.so").exists():
                 _log.warning("halfadam: compiling the C++ CPU kernel (once for this version and CPU, about a minute; "
@@ -101,13 +104,15 @@ def load() -> Optional[ModuleType]:
                                           extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler or ninja, a failed build
             _reason = f"{type(exc).__name__}: {_first_cause(str(exc))}"
-            _log.warning("halfadam: the C++ CPU kernel is unavailable (%s); implementation='auto' runs the "
-                         "torch.compile path instead", _reason)
+            remembered = ""
             if failed is not None:
                 try:
                     failed.write_text(_reason + "\n")
+                    remembered = f"; remembered in {failed} (delete it to retry)"
                 except OSError:
                     pass
+            _log.warning("halfadam: the C++ CPU kernel is unavailable (%s); implementation='auto' runs the "
+                         "torch.compile path instead%s", _reason, remembered)
         return _module
 
 
