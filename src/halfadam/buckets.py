@@ -85,8 +85,12 @@ class Bucket:
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
 
-    def steps_uniform(self) -> bool:
-        """Whether every parameter's step count is the same (checked once per change of ``steps``)."""
+    def steps_uniform(self, indices: Optional[List[int]] = None) -> bool:
+        """Whether the step counts of parameters ``indices`` (default: all) are equal; for all of them,
+        checked once per change of ``steps``."""
+        if indices is not None:
+            steps = self.steps[indices]
+            return bool((steps == steps[0]).all())
         version = self.steps._version
         if self._uniform_at != version:
             if not bool((self.steps == self.steps[0]).all()):

@@ -448,7 +448,8 @@ def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Te
     return state
 
 
-def _has_master(state: Dict[str, Tensor]) -> bool:
+def has_master(state: Dict[str, Tensor]) -> bool:
+    """Whether ``state`` (a parameter's state, or flat buffers) holds a master weight, fp32 or split."""
     return "master_weight" in state or "master_lo" in state
 
 
@@ -471,9 +472,9 @@ def _pad(t: Tensor, length: int, like: Tensor, dtype: Optional[torch.dtype] = No
 def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
     """Flat, block-padded (with zeros) copies of ``state``'s tensors and of the parameter's values."""
     length = n_blocks(param.numel()) * BLOCK
-    has_master = _has_master(state)
-    stored = {k: _pad(state[k], length, param) for k in element_keys(fmt, has_master)}
-    stored.update({k: state[k].clone() for k in block_keys(fmt, has_master)})
+    with_master = has_master(state)
+    stored = {k: _pad(state[k], length, param) for k in element_keys(fmt, with_master)}
+    stored.update({k: state[k].clone() for k in block_keys(fmt, with_master)})
     return stored, _pad(param, length, param)
 
 
@@ -487,13 +488,13 @@ def _write_back(state: Dict[str, Tensor], stored: Dict[str, Tensor], param: Opti
 
 
 def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tensor) -> None:
-    """Store the flat float32 ``master``: copied, or as a split remainder after the master-sync rule
-    (where the parameter differs from ``round(master)`` the parameter wins), so the parameter keeps
-    its value."""
+    """Store the flat float32 ``master`` (a tensor of its own, changed here): copied, or as a split
+    remainder after the master-sync rule (where the parameter differs from ``round(master)`` the
+    parameter wins), so the parameter keeps its value."""
     if "master_weight" in stored:
         stored["master_weight"].copy_(master)
     else:
-        master = torch.where(master.to(flat_param.dtype) == flat_param, master, flat_param.to(torch.float32))
+        sync_master_(master, flat_param)
         _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
 
 
@@ -501,14 +502,14 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
                   coefficients: tuple, step: int, *, decay: str, optimized_update: bool) -> None:
     """:func:`encoded_update_` for one parameter and its own (not flat) state tensors."""
     stored, flat_param = _flat_copies(fmt, param, state)
-    has_master = _has_master(state)
-    if not has_master:
+    with_master = has_master(state)
+    if not with_master:
         stored["weight"] = flat_param.to(torch.float32)
     g = _pad(grad, flat_param.numel(), param, torch.float32)
-    encoded_update_(stored, flat_param if has_master else None, g, coefficients, random_seed(fmt, step, param.device),
+    encoded_update_(stored, flat_param if with_master else None, g, coefficients, random_seed(fmt, step, param.device),
                     tables(fmt, param.device), master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
                     decay=decay, optimized_update=optimized_update)
-    if not has_master:
+    if not with_master:
         flat_param.copy_(stored.pop("weight"))
     _write_back(state, stored, param, flat_param)
 
@@ -546,7 +547,7 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         x = _pad(values[name], length, param, torch.float32)
         stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, tables_, seed)
-    if _has_master(stored):
+    if has_master(stored):
         _encode_master_(stored, flat_param, _pad(values["master_weight"], length, param, torch.float32))
     _write_back(state, stored, None, flat_param)
 
@@ -591,7 +592,7 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
     encoding (an fp32 master is copied, a split master's remainder encoded); the parameter must hold
     ``round(master)`` already (elements where it does not keep the parameter's value, as in
     :func:`encode_state_`). A state without a master is left alone."""
-    if _has_master(state):
+    if has_master(state):
         stored, flat_param = _flat_copies(format_of(state), param, state)
         _encode_master_(stored, flat_param, _pad(master, flat_param.numel(), param, torch.float32))
         _write_back(state, stored, None, flat_param)

@@ -74,7 +74,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
             grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
         st["step"] += 1
-        pfmt = for_param(fmt, param, "master_weight" in st or "master_lo" in st)
+        pfmt = for_param(fmt, param, encodings.has_master(st))
         if not pfmt.is_fp32:
             step = st["step"].item()
             coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
@@ -259,21 +259,17 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         torch._foreach_copy_(bucket.params[i:j], out_views)
 
 
-def cpp_applies(bucket: Bucket) -> bool:
-    """Whether the C++ kernel can step ``bucket``: on the CPU, in a state format it implements."""
-    return bucket.device.type == "cpu" and cpu_kernel.supports(bucket.format)
-
-
 def _cpp_kernel(bucket: Bucket, implementation: str):
     """The C++ kernel module if ``implementation`` runs it on ``bucket``, else ``None``.
 
     Raises:
-        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU or not in the fp32
-            state format, or the kernel cannot be built here (the reason is in the message).
+        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU or in a state format
+            the kernel lacks (:func:`halfadam.cpu_kernel.supports`), or the kernel is unavailable
+            here (the reason is in the message).
     """
     if implementation not in ("cpp", "auto"):
         return None
-    if not cpp_applies(bucket):
+    if not (bucket.device.type == "cpu" and cpu_kernel.supports(bucket.format)):
         if implementation == "cpp":
             raise RuntimeError(
                 f"implementation='cpp' runs CPU parameters in the state modes fp32, split and bf16 only; this bucket is on "

@@ -384,14 +384,9 @@ class _AdamBase(torch.optim.Optimizer):
             if not items:
                 continue
             items.sort(key=lambda item: item[0])
-            if len(items) == len(bucket.params):
-                uniform = bucket.steps_uniform()
-            else:
-                steps = bucket.steps[[i for i, _ in items]]
-                uniform = bool((steps == steps[0]).all())
             # One step count: one flat step. Otherwise (step counts that diverged) the reference path,
             # on the same state views, so that state["step"] keeps torch's per-parameter meaning.
-            if uniform:
+            if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
                 flat_step(bucket, items, hp, self.implementation, grad_scale)
             else:
                 rest.extend((bucket.params[i], g) for i, g in items)

@@ -399,9 +399,7 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
         group = new_groups[gi]
         compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-        use_master = group["master_weights"]
-        if use_master is None:
-            use_master = p.dtype in _HALF_DTYPES
+        use_master = optimizer._use_master(p, group)  # type: ignore[attr-defined]
         allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS} if kind == "halfadam"
                    else {"step", "exp_avg", "exp_avg_sq"})
         unexpected = sorted(set(saved) - allowed)
@@ -410,7 +408,7 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
         if missing:
             raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
-        has_master = "master_weight" in saved or "master_lo" in saved
+        has_master = encodings.has_master(saved)
         if has_master and not use_master:
             raise CheckpointError(
                 f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_lo'}) "
@@ -634,7 +632,7 @@ def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) 
         raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
     optimizer.sync_master_weights()
     masters = {id(p): optimizer.master_weight(p) if "master_lo" in st else st["master_weight"]
-               for p, st in optimizer.state.items() if "master_weight" in st or "master_lo" in st}
+               for p, st in optimizer.state.items() if encodings.has_master(st)}
     source = model.state_dict(keep_vars=True)
     out: "OrderedDict[str, Tensor]" = OrderedDict()
     for key, value in source.items():

@@ -79,35 +79,36 @@ inline V8 operator*(V8 a, V8 b) { return _mm256_mul_ps(a.x, b.x); }
 inline V8 operator/(V8 a, V8 b) { return _mm256_div_ps(a.x, b.x); }
 inline V8 sqrt(V8 a) { return _mm256_sqrt_ps(a.x); }
 
-inline V8 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline V8 load8(const at::BFloat16* p) {
-  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
-inline V8 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline void store8(float* p, V8 v) { _mm256_storeu_ps(p, v.x); }
-inline __m128i bf16_bits8(V8 v) {
-  const __m256i u = _mm256_castps_si256(v.x);
+// float32 bits + 0x7FFF + the lowest kept bit: its upper 16 bits are the bfloat16 rounded to nearest
+// even (c10::BFloat16's rule) for every non-nan value
+inline __m256i bf16_round_up8(__m256i u) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+}
+// round(v) to P as 8 x 16 bits (bfloat16: nan -> 0x7FC0), and 16-bit values back to float32
+inline __m128i half_bits8(at::BFloat16, V8 v) {
+  __m256i r = _mm256_srli_epi32(bf16_round_up8(_mm256_castps_si256(v.x)), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v.x, v.x, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
-inline void store8(at::BFloat16* p, V8 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v)); }
-inline __m128i f16_bits8(V8 v) { return _mm256_cvtps_ph(v.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline void store8(at::Half* p, V8 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), f16_bits8(v)); }
+inline __m128i half_bits8(at::Half, V8 v) { return _mm256_cvtps_ph(v.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V8 widen8(at::BFloat16, __m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V8 widen8(at::Half, __m128i h) { return _mm256_cvtph_ps(h); }
+
+inline V8 load8(const float* p) { return _mm256_loadu_ps(p); }
+template <typename P>
+inline V8 load8(const P* p) { return widen8(P(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(float* p, V8 v) { _mm256_storeu_ps(p, v.x); }
+template <typename P>
+inline void store8(P* p, V8 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), half_bits8(P(), v)); }
 inline V8 differ8(V8 a, V8 b) { return _mm256_cmp_ps(a.x, b.x, _CMP_NEQ_UQ); }  // true where either is nan
 // The master-sync test, p != round(w), per lane (all bits set where true).
-template <typename P> inline V8 stale8(V8 p, V8 w);
+template <typename P> inline V8 stale8(V8 p, V8 w) { return differ8(p, widen8(P(), half_bits8(P(), w))); }
 template <> inline V8 stale8<float>(V8 p, V8 w) { return differ8(p, w); }
-template <> inline V8 stale8<at::Half>(V8 p, V8 w) { return differ8(p, _mm256_cvtph_ps(f16_bits8(w))); }
 template <> inline V8 stale8<at::BFloat16>(V8 p, V8 w) {
-  // round(w) to bfloat16 kept in float32 bits: the rounding of bf16_bits8 without the packing; a nan w
-  // is stale whatever those bits are (round(nan) is nan)
-  const __m256i u = _mm256_castps_si256(w.x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+  // round(w) kept in float32 bits (no packing); a nan w is stale whatever those bits are
+  const __m256i r = _mm256_and_si256(bf16_round_up8(_mm256_castps_si256(w.x)),
                                      _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   return _mm256_or_ps(differ8(p, _mm256_castsi256_ps(r)).x, _mm256_cmp_ps(w.x, w.x, _CMP_UNORD_Q));
 }
@@ -210,10 +211,6 @@ inline __m256i split_remainder8(at::Half, V8 w, V8 rounded) {
   const __m256i nonfinite = _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
   return _mm256_andnot_si256(nonfinite, r);
 }
-inline __m128i half_bits8(at::BFloat16, V8 w) { return bf16_bits8(w); }  // round(w) to P: 8 x 16 bits
-inline __m128i half_bits8(at::Half, V8 w) { return f16_bits8(w); }
-inline V8 widen8(at::BFloat16, __m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-inline V8 widen8(at::Half, __m128i h) { return _mm256_cvtph_ps(h); }
 #endif
 
 struct Item {
