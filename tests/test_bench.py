@@ -41,14 +41,90 @@ def test_bench_table_and_cli_protocol(capsys):
     assert "x torch fused" in out and "halfadam reference" in out
 
 
-def test_bench_rejects_unknown_choices(capsys):
-    assert bench.main(["--dtypes", "fp8"]) == 2
-    assert bench.main(["--impls", "magic"]) == 2
-    assert bench.main(["--state-modes", "tiny"]) == 2
-    assert "unknown" in capsys.readouterr().err
-
-
 def test_bench_state_modes_are_the_presets():
     from halfadam.encodings import PRESETS
 
     assert bench.STATE_MODES == tuple(PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
+        (["--sizes", "-1"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got '-1'"),
+        (["--sizes", "0"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got '0'"),
+        (["--sizes", "abc"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got 'abc'"),
+        (["--sizes", "1e6,2.5"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got "
+                                 "'2.5' in '1e6,2.5'"),
+        (["--tensors", "0"], "argument --tensors: expected a positive integer, got '0'"),
+        (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
+        (["--repeat", "-1"], "argument --repeat: expected a positive integer, got '-1'"),
+        (["--warmup", "-1"], "argument --warmup: expected a non-negative integer, got '-1'"),
+        (["--sizes", "10", "--tensors", "50"], "--sizes 10 is smaller than --tensors 50"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--dtypes", "fp8"], "--dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
+        (["--impls", "magic"], "--impls: unknown implementation 'magic'"),
+        (["--state-modes", "tiny"], "--state-modes: unknown state mode 'tiny'"),
+    ],
+)
+def test_bad_options_are_one_line_exit_2(argv, expected, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda args: pytest.fail("measured despite bad options"))
+    assert bench.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("halfadam bench: error: ") and captured.err.count("\n") == 1, captured.err
+    assert expected in captured.err and "Traceback" not in captured.err
+
+
+FAILING = ["--sizes", "8000", "--tensors", "2", "--no-small", "--impls", "reference", "--dtypes", "fp16,bf16",
+           "--state-modes", "fp32", "--warmup", "1", "--repeat", "2"]
+
+
+def _fail_when(monkeypatch, broken, on_call=1):
+    """Make bench's timing of one configuration raise, for the optimizers ``broken(opt)`` picks, from their
+    ``on_call``-th step on (a damaged Inductor cache entry, say)."""
+    time_step, calls = bench._time_step, {}
+
+    def timed(opt, device):
+        if broken(opt):
+            calls[id(opt)] = calls.get(id(opt), 0) + 1
+            if calls[id(opt)] >= on_call:
+                raise RuntimeError("damaged cache entry\nsecond line")
+        return time_step(opt, device)
+
+    monkeypatch.setattr(bench, "_time_step", timed)
+    return calls
+
+
+def test_a_failing_configuration_is_a_row_and_the_table_goes_on(capsys, monkeypatch):
+    import halfadam
+    import torch
+
+    calls = _fail_when(monkeypatch, lambda opt: isinstance(opt, halfadam.AdamW)
+                       and opt.param_groups[0]["params"][0].dtype == torch.float16, on_call=2)
+    assert bench.main(FAILING) == 1
+    captured = capsys.readouterr()
+    assert list(calls.values()) == [2]  # failed in its second round, then never stepped again
+    lines = captured.out.splitlines()
+    fp16 = [line for line in lines if "halfadam reference" in line and " fp16 " in line]
+    assert len(fp16) == 1 and fp16[0].split() == ["8000/2", "halfadam", "reference", "fp16", "fp32", "failed:",
+                                                 "RuntimeError:", "damaged", "cache", "entry"], fp16
+    bf16 = [line.split() for line in lines if "halfadam reference" in line and " bf16 " in line]
+    assert len(bf16) == 1 and float(bf16[0][5]) > 0  # timed: ms/step
+    assert sum(line.split()[1:2] == ["torch"] for line in lines) == 3
+    assert captured.err == "halfadam bench: 1 of 5 configurations failed (the rows marked failed)\n"
+
+
+def test_a_failing_reference_column_in_json(capsys, monkeypatch):
+    import torch
+
+    _fail_when(monkeypatch, lambda opt: type(opt) is torch.optim.AdamW and opt.defaults.get("fused"))
+    assert bench.main(FAILING + ["--json"]) == 1
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    failed = [r for r in rows if "failed" in r]
+    assert [(r["impl"], r["failed"]) for r in failed] == [("torch fused", "RuntimeError: damaged cache entry")]
+    assert "ms" not in failed[0]
+    others = [r for r in rows if "failed" not in r]
+    assert len(others) == 4 and all(r["ms"] > 0 and r["vs_torch_fused"] is None for r in others)
+    assert captured.err.count("\n") == 1 and "1 of 5 configurations failed" in captured.err

@@ -620,6 +620,79 @@ def test_non_plain_entries_need_weights_only_false(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["c.pt"]
 
 
+@pytest.mark.parametrize("content", ["text", "random", "empty", "bare_pickle", "bare_pickle_of_objects"])
+def test_a_file_not_written_by_torch_save_is_not_a_checkpoint(tmp_path, content):
+    import pickle
+    from fractions import Fraction
+
+    path = tmp_path / "c.pt"
+    data = {"text": b"step 1: loss 0.5\n", "random": torch.randint(0, 256, (4096,), generator=torch.Generator()
+                                                                       .manual_seed(0), dtype=torch.uint8).numpy()
+            .tobytes(), "empty": b"", "bare_pickle": pickle.dumps({"step": 1}),
+            "bare_pickle_of_objects": pickle.dumps({"x": Fraction(1, 3)})}[content]
+    path.write_bytes(data)
+    model, opt = make()
+    for weights_only in (True, False):
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.load_checkpoint(path, weights_only=weights_only, model=model, optimizer=opt)
+        assert str(info.value) == f"{path} is not a halfadam checkpoint (not a file written by torch.save)"
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_master_state_dict(model, path, opt)
+    assert str(info.value) == f"{path} is not a state_dict file (not a file written by torch.save)"
+    assert not opt.state
+
+
+class _Touch:
+    """Unpickling it creates the file ``path`` (code a pickle runs)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_bare_pickle_is_refused_unread_even_with_weights_only_false(tmp_path):
+    import pickle
+
+    path, marker = tmp_path / "c.pt", tmp_path / "ran"
+    path.write_bytes(pickle.dumps(_Touch(marker)))
+    with pytest.raises(CheckpointError, match=r"is not a halfadam checkpoint \(not a file written by torch.save\)$"):
+        checkpoint.load_checkpoint(path, weights_only=False)
+    assert not marker.exists()
+
+
+def test_a_torch_file_of_other_objects_names_one_and_the_trusted_way(tmp_path):
+    from fractions import Fraction
+
+    path = tmp_path / "c.pt"
+    torch.save({"ratio": Fraction(1, 3)}, path)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_checkpoint(path)
+    assert str(info.value) == (f"{path} holds a Python object other than plain data and tensors (fractions.Fraction); "
+                               f"pass weights_only=False only if you trust the file (it can run code)")
+    with pytest.raises(CheckpointError, match="is not a halfadam checkpoint"):  # trusted, read: still not one
+        checkpoint.load_checkpoint(path, weights_only=False)
+    model, _ = make()
+    with pytest.raises(CheckpointError) as info:  # no weights_only to pass there
+        checkpoint.load_master_state_dict(model, path)
+    assert str(info.value) == f"{path} holds a Python object other than plain data and tensors (fractions.Fraction)"
+
+
+def test_a_torch_file_without_the_checkpoint_format_is_not_a_checkpoint(tmp_path):
+    model, opt = make()
+    path = tmp_path / "weights.pt"
+    torch.save(model.state_dict(), path)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_checkpoint(path, model=model)
+    assert str(info.value) == (f"{path} is not a halfadam checkpoint (one written by save_checkpoint): it holds a "
+                               f"dict of 4 entries ('0.weight', '0.bias', '2.weight', '2.bias')")
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match=r"is not a halfadam checkpoint \(one written by save_checkpoint\): it "
+                                              r"holds a list$"):
+        checkpoint.load_checkpoint(path)
+
+
 def test_load_master_state_dict_leaves_fp32_parameters_without_state():
     model, opt = make(torch.float32)
     exported = opt.master_state_dict(model)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfadam.cli import main
+from halfadam.cli import build_parser, main
 from halfadam.cli.modes import MODES, parse_modes
 import halfadam.cli.train as T
 from halfadam.cli.train import optimizer_state_bytes
@@ -239,6 +239,93 @@ def test_bad_resume_is_one_line_without_traceback(tmp_path, capsys):
     assert main(RESUME_ARGS + ["--modes", "bf16-halfadam", "--lr", "0.01", "--out", str(tmp_path / "d"),
                         "--resume", str(ck)]) == 2
     assert "written with other options (--lr)" in capsys.readouterr().err
+
+
+EXTEND_ARGS = ["train", "--task", "digits", "--batch-size", "16", "--eval-every", "2", "--no-progress",
+               "--modes", "fp32,fp16-halfadam,bf16-halfadam"]
+
+
+def test_resume_with_more_steps_extends_the_run_exactly(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    assert main(EXTEND_ARGS + ["--steps", "4", "--out", str(tmp_path / "full")]) == 0
+    assert main(EXTEND_ARGS + ["--steps", "2", "--out", str(tmp_path / "part"), "--save", str(tmp_path / "ck")]) == 0
+    assert main(EXTEND_ARGS + ["--steps", "4", "--out", str(tmp_path / "longer"), "--resume", str(tmp_path / "ck"),
+                               "--save", str(tmp_path / "ck")]) == 0
+    full, longer = _metrics(tmp_path / "full"), _metrics(tmp_path / "longer")
+    assert longer["config"]["steps"] == 4
+    for name, m in full["modes"].items():
+        assert len(m["train_loss"]) == 4 and m["val_steps"] == [0, 2, 4]
+        for key in ("train_loss", "val_steps", "val_loss", "weight_distance_to_fp32", "val_loss_vs_fp32_percent",
+                    "master_weight_distance_to_fp32", "final_loss_scale", "skipped_steps", "diverged_at_step"):
+            assert str(m.get(key)) == str(longer["modes"][name].get(key)), (name, key)
+    # the checkpoints now hold the 4-step run: fewer steps than that are refused as before
+    capsys.readouterr()
+    assert main(EXTEND_ARGS + ["--steps", "3", "--out", str(tmp_path / "x"), "--resume", str(tmp_path / "ck")]) == 2
+    assert capsys.readouterr().err == (f"halfadam train: error: --resume {tmp_path / 'ck' / 'fp32.pt'}: written with "
+                                       f"other options (--steps); --steps can only grow from its 4\n")
+
+
+def _extension(run, saved, done):
+    """(cfg of the options ``run``, the checkpoint entries of a run with the options ``saved`` after ``done`` steps)"""
+    base = ["train", "--task", "digits", "--no-progress"]
+    cfg, _ = T.resolve_config(build_parser().parse_args(base + run))
+    old, _ = T.resolve_config(build_parser().parse_args(base + saved))
+    return cfg, {"config": T._run_identity(old), "history": {"train_loss": [1.0] * done}, "rng": torch.get_rng_state()}
+
+
+def test_extending_a_run_keeps_the_learning_rates_of_the_steps_taken(tmp_path):
+    path = tmp_path / "fp32.pt"
+    # constant rate: any longer run, whatever --eval-every (its default follows --steps)
+    cfg, entries = _extension(["--steps", "600"], ["--steps", "300"], 300)
+    assert (cfg.eval_every, entries["config"]["eval_every"]) == (60, 30)
+    T._check_resumed_options(cfg, path, entries)
+    # cosine: the warm-up (and its last step, at the peak) does not depend on --steps; the decay does
+    cosine = ["--lr-schedule", "cosine", "--warmup-steps", "3"]
+    cfg, entries = _extension(["--steps", "20", *cosine], ["--steps", "10", *cosine], 4)
+    T._check_resumed_options(cfg, path, entries)
+    cfg, entries = _extension(["--steps", "20", *cosine], ["--steps", "10", *cosine], 5)
+    with pytest.raises(T.CLIError) as info:
+        T._check_resumed_options(cfg, path, entries)
+    assert str(info.value) == (f"--resume {path}: --steps 20 changes the learning rates of the 5 steps already taken "
+                               f"(--lr-schedule cosine decays over the checkpoint's --steps 10), so it cannot extend "
+                               f"that run: resume with --steps 10, or start a new run")
+    cfg, entries = _extension(["--steps", "20", "--lr-schedule", "cosine"], ["--steps", "10", *cosine], 1)
+    T._check_resumed_options(cfg, path, entries)  # a default --warm-up of 2 instead of 3: the same rate 0 at step 0
+    cfg, entries = _extension(["--steps", "20", "--lr", "0.1"], ["--steps", "10"], 10)
+    with pytest.raises(T.CLIError, match=r"written with other options \(--lr\)$"):
+        T._check_resumed_options(cfg, path, entries)
+    del entries["rng"]
+    with pytest.raises(T.CLIError, match="a halfadam checkpoint, but not one written by halfadam train --save"):
+        T._check_resumed_options(cfg, path, entries)
+
+
+def test_resume_from_a_file_that_is_not_a_checkpoint_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "bf16-halfadam.pt").write_text("not a checkpoint\n")
+    monkeypatch.setattr(T, "train_mode", lambda *a, **k: pytest.fail("trained despite a bad --resume"))
+    assert main(RESUME_ARGS + ["--modes", "fp32,bf16-halfadam", "--out", str(tmp_path / "o"), "--resume", str(ck)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"halfadam train: error: --resume: {ck / 'bf16-halfadam.pt'} is not a halfadam checkpoint "
+                            f"(not a file written by torch.save)\n")
+
+
+def test_unwritable_save_dir_fails_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(T, "train_mode", lambda *a, **k: pytest.fail("trained despite an unwritable --save"))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(RESUME_ARGS + ["--out", str(tmp_path / "o"), "--save", str(blocker / "ck")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"halfadam train: error: --save {blocker / 'ck'}: cannot create the directory: "
+                            f"Not a directory\n")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert main(RESUME_ARGS + ["--out", str(tmp_path / "o"), "--save", str(locked)]) == 2
+        assert capsys.readouterr().err == (f"halfadam train: error: --save {locked}: cannot write files there: "
+                                           f"Permission denied\n")
 
 
 # --nproc: data-parallel processes (DDP over gloo) ------------------------------------------------

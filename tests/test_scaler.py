@@ -22,8 +22,9 @@ def _same(a, b):
             assert torch.equal(t, sb["state"][k][name]), name
 
 
+@pytest.mark.parametrize("recipe", ["fused", "unscale_then_torch_clip"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_skip_leaves_everything_bitwise(bad):
+def test_skip_leaves_everything_bitwise(bad, recipe):
     w = torch.nn.Parameter(torch.randn(4, 3).half())
     b = torch.nn.Parameter(torch.randn(3).half())
     opt = halfadam.AdamW([w, b], lr=1e-2, weight_decay=0.1)
@@ -44,7 +45,12 @@ def test_skip_leaves_everything_bitwise(bad):
     opt.zero_grad()
     scaler.scale(loss_fn()).backward()
     w.grad[1, 2] = bad
-    assert scaler.step(opt) is None
+    if recipe != "fused":  # the inf check of unscale_ decides, whatever the clip then writes into .grad
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([w, b], 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and a skipped step says nothing about float16 precision
+        assert scaler.step(opt) is None
     scaler.update()
     _same(before, _snapshot(opt, [w, b]))
     assert scaler.get_scale() == scale_before * 0.5
@@ -78,7 +84,8 @@ def test_small_gradients_survive_unscaling():
     scaler.scale(loss).backward()
     assert p.grad.dtype == torch.float16 and p.grad.abs().min() > 0  # scaled, so it survived fp16
     scaler.unscale_(opt)
-    assert torch.equal(p.grad, (target * 2**16).half())  # .grad of a half param keeps its scaled value
+    # .grad shows the unscaled gradient, as torch's scaler; 1e-8 is 0 in float16, the step uses the fp32 copy
+    assert p.grad.dtype == torch.float16 and torch.equal(p.grad, torch.zeros(4).half())
     scaler.step(opt)
     scaler.update()
     # Adam's first step moves by lr * g / (|g| + eps) = lr: a zero gradient would not move at all
@@ -185,26 +192,6 @@ def test_fp16_training_with_scaler_matches_fp32_reference():
         scaler.update()
     rel = ((opt.master_weight(w16) - w32.detach()).norm() / w32.detach().norm()).item()
     assert rel < 1e-3
-
-
-def test_warns_when_grad_is_clipped_after_unscale_with_torch_utility():
-    """torch.nn.utils.clip_grad_norm_ on the model after unscale_ changes the scaled fp16 .grad, which
-    the optimizer does not read (it uses the unscaled fp32 copies): say so instead of silently ignoring it."""
-    model = torch.nn.Linear(4, 3).half()
-    opt = halfadam.AdamW(model.parameters())
-    scaler = halfadam.GradScaler()
-    scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.warns(UserWarning, match="scaler.clip_grad_norm_"):
-        scaler.step(opt)
-    scaler.update()
-
-    scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
-    scaler.clip_grad_norm_(opt, 1.0)  # the supported way: no warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        scaler.step(opt)
 
 
 # ---------------------------------------------------------------------------------- overflow check
@@ -478,3 +465,249 @@ def test_load_state_dict_rejects_bad_entries_and_changes_nothing(key, value, exc
     torch.amp.GradScaler("cpu").load_state_dict(other)  # the valid entries are valid for torch too
     scaler.load_state_dict(other)
     assert scaler.state_dict() == other
+
+
+# ---------------------------------------------------------------------------------- .grad between unscale_ and step
+# torch's AMP recipe (nanoGPT's train.py): scale(loss).backward(); unscale_(opt); <user code on .grad>; step(opt).
+# What the user code does to .grad must take effect exactly; untouched gradients keep their fp32 copies.
+from halfadam.scaler import Float16GradWarning  # noqa: E402
+
+SCALE = 2.0**12  # a power of two: unscaling is exact, so the unscaled fp32 gradients below are exact too
+HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-5, weight_decay=0.1)  # eps near |g|: the step depends on |g|
+
+
+def _recipe(dtype, edit=None, *, before_unscale=None, scaler_kwargs=None, clip=None):
+    """One step of the recipe on a small MLP with ``dtype`` parameters; ``edit(model)`` runs between
+    ``unscale_`` and ``step`` (``clip``: ``scaler.clip_grad_norm_(opt, clip)`` after it).
+
+    Returns a dict: model, opt, init (fp32 copies of the parameters before the step), scaled (the
+    gradients before unscale_), unscaled (what .grad held after unscale_), seen (.grad as the step
+    found it, ``None`` where ``None``), norm (scaler.clip_grad_norm_'s), warned (Float16GradWarnings).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(dtype)
+    x, y = torch.randn(32, 8).to(dtype), torch.randn(32, 4)
+    init = [p.detach().float().clone() for p in model.parameters()]
+    opt = halfadam.AdamW(model.parameters(), **HP)
+    scaler = halfadam.GradScaler(init_scale=SCALE, **(scaler_kwargs or {}))
+    out = dict(model=model, opt=opt, init=init, norm=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.scale(((model(x).float() - y) ** 2).mean()).backward()
+        if before_unscale is not None:
+            before_unscale(model)
+        out["scaled"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        scaler.unscale_(opt)
+        out["unscaled"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        if edit is not None:
+            edit(model)
+        if clip is not None:
+            out["norm"] = scaler.clip_grad_norm_(opt, clip)
+        out["seen"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+    out["warned"] = [w for w in caught if issubclass(w.category, Float16GradWarning)]
+    return out
+
+
+def _torch_adamw(init, grads):
+    """One torch.optim.AdamW step (HP) on fp32 copies ``init`` with fp32 ``grads`` (``None``: no step):
+    [(param, exp_avg, exp_avg_sq)], the moments ``None`` where the gradient is."""
+    params = [torch.nn.Parameter(w.clone()) for w in init]
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.float().clone()
+    opt = torch.optim.AdamW(params, foreach=False, **HP)
+    opt.step()
+    return [(p.detach(), opt.state[p].get("exp_avg"), opt.state[p].get("exp_avg_sq")) for p in params]
+
+
+def _assert_matches_fp32(opt, params, ref, rtol=1e-6):
+    """halfadam's state equals torch's fp32 AdamW step ``ref`` to fp32 rounding."""
+    for p, (w, m, v) in zip(params, ref):
+        st = opt.state[p]
+        torch.testing.assert_close(st["exp_avg"], m, rtol=rtol, atol=0)
+        torch.testing.assert_close(st["exp_avg_sq"], v, rtol=rtol, atol=0)
+        torch.testing.assert_close(opt.master_weight(p), w, rtol=rtol, atol=1e-9)
+
+
+def _same_step(a, b, params_a, params_b):
+    """Two optimizers' masters and moments are bitwise equal, parameter by parameter."""
+    for pa, pb in zip(params_a, params_b):
+        assert torch.equal(a.master_weight(pa), b.master_weight(pb))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(a.state[pa][key], b.state[pb][key]), key
+
+
+@pytest.mark.parametrize("max_norm", [1e-2, 1e-3])
+def test_torch_clip_grad_norm_after_unscale_clips_fp16_params(max_norm):
+    """nanoGPT's recipe with fp16 parameters and torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm):
+    the first step equals the same recipe by hand (unscaled fp32 gradient times the clip coefficient,
+    then torch.optim.AdamW on an fp32 copy) within float16 rounding of the gradient: the step uses the
+    clipped float16 .grad as written (before, the clip had no effect: exp_avg was 0.1 * g)."""
+    r = _recipe(torch.float16, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+    params = list(r["model"].parameters())
+    g32 = [g.float() / SCALE for g in r["scaled"]]  # the unscaled gradients, exact
+    norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in g32])).item()
+    coef = max_norm / (norm + 1e-6)
+    assert coef < 0.02  # the clip matters: 50x and more
+    ref = _torch_adamw(r["init"], [g * coef for g in g32])
+    lr, eps = HP["lr"], HP["eps"]
+    for p, (w, m, v), g in zip(params, ref, g32):
+        st, gc = r["opt"].state[p], g * coef
+        # torch's clip works in float16 (norm, coefficient, product) on the rounded unscaled .grad:
+        # a few float16 roundings (2**-11 each) of each gradient, or half a float16 subnormal step.
+        tol = 4e-3 * gc.abs() + 2.0**-24
+        assert ((st["exp_avg"] - 0.1 * gc).abs() <= 0.1 * tol).all()
+        assert ((st["exp_avg"] - m).abs() <= 0.1 * tol + 1e-12).all()
+        assert ((st["exp_avg_sq"] - v).abs() <= 1e-3 * tol * (2 * gc.abs() + tol) + 1e-18).all()
+        # the first step moves by lr * (g/|g| adjusted by eps) + decay: d/dg = lr * eps / (|g| + eps)**2
+        step_tol = lr * eps * tol / (gc.abs() + eps) ** 2 + 4 * 2.0**-23 * w.abs()
+        assert ((r["opt"].master_weight(p) - w).abs() <= step_tol).all()
+    # exactly what the user's code wrote: the same step from the clipped float16 .grad, to fp32 rounding
+    _assert_matches_fp32(r["opt"], params, _torch_adamw(r["init"], r["seen"]))
+    assert len(r["warned"]) == 1 and "scaler.clip_grad_norm_" in str(r["warned"][0].message)
+    assert issubclass(Float16GradWarning, UserWarning)
+
+
+def _mul_(m):
+    for p in m.parameters():
+        p.grad.mul_(0.5)
+
+
+def _data_mul_(m):  # .data bypasses the version counter: found by comparing values
+    for p in m.parameters():
+        p.grad.data.mul_(0.5)
+
+
+def _replace(m):
+    for p in m.parameters():
+        p.grad = p.grad * 0.5
+
+
+def _rescale_one_element(m):  # a change anywhere in a tensor counts, even in its last element
+    g = m[0].weight.grad
+    g.view(-1)[-1] = g.view(-1)[-1] * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("edit", [_mul_, _data_mul_, _replace, _rescale_one_element])
+def test_rescaling_grad_after_unscale_takes_effect(dtype, edit):
+    r = _recipe(dtype, edit)
+    params = list(r["model"].parameters())
+    # the step used .grad as the user's code left it, exactly (fp32 copies of its values)
+    _assert_matches_fp32(r["opt"], params, _torch_adamw(r["init"], r["seen"]))
+    if edit is not _rescale_one_element:  # and that is half the unscaled gradient, to .grad's rounding
+        g32 = [g.float() / SCALE for g in r["scaled"]]
+        rel = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 0.0}[dtype]
+        for s, g in zip(r["seen"], g32):
+            assert ((s.float() - 0.5 * g).abs() <= rel * 0.5 * g.abs() + 2.0**-24).all()
+    assert len(r["warned"]) == (dtype == torch.float16)  # float16 precision, said once; bf16/fp32 quiet
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_untouched_or_read_only_grads_give_todays_step_bitwise(dtype):
+    """No change to .grad (nothing, reading it, a torch clip whose coefficient is exactly 1.0) keeps
+    the exact fp32 copies: bitwise the step from the unscaled fp32 gradients handed over directly."""
+    def read(m):
+        torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+
+    def clip_no_op(m):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)
+
+    for edit in (None, read, clip_no_op):
+        r = _recipe(dtype, edit)
+        params = list(r["model"].parameters())
+        g32 = [g.float() * (1.0 / SCALE) for g in r["scaled"]]
+        # .grad showed the unscaled gradients, rounded to its dtype
+        assert all(torch.equal(u, g.to(dtype)) for u, g in zip(r["unscaled"], g32))
+        torch.manual_seed(0)
+        twin = [torch.nn.Parameter(w.to(dtype)) for w in r["init"]]
+        ref = halfadam.AdamW(twin, **HP)
+        ref.step(grads=dict(zip(twin, g32)))
+        _same_step(r["opt"], ref, params, twin)
+        assert r["warned"] == []
+
+
+def test_zeroing_a_layer_and_none_after_unscale_take_effect():
+    base = _recipe(torch.float16)
+    params_base = list(base["model"].parameters())
+
+    def zero_first(m):
+        m[0].weight.grad.zero_()
+
+    r = _recipe(torch.float16, zero_first)
+    params = list(r["model"].parameters())
+    assert r["warned"] == []  # zeros are exact in float16: nothing to warn about
+    w, m, v = _torch_adamw(r["init"][:1], [torch.zeros_like(r["init"][0])])[0]  # decay only
+    assert torch.equal(r["opt"].state[params[0]]["exp_avg"], torch.zeros_like(m))
+    assert torch.equal(r["opt"].state[params[0]]["exp_avg_sq"], torch.zeros_like(v))
+    torch.testing.assert_close(r["opt"].master_weight(params[0]), w, rtol=1e-6, atol=0)
+    _same_step(r["opt"], base["opt"], params[1:], params_base[1:])  # the rest: their exact fp32 copies
+
+    def none_last(m):
+        m[2].bias.grad = None
+
+    r = _recipe(torch.float16, none_last)
+    params = list(r["model"].parameters())
+    assert not r["opt"].state[params[3]] or "exp_avg" not in r["opt"].state[params[3]]  # skipped, like torch
+    assert torch.equal(params[3].detach().float(), r["init"][3])
+    _same_step(r["opt"], base["opt"], params[:3], params_base[:3])
+
+
+def test_grad_set_after_unscale_is_used():
+    """A parameter without a gradient at unscale_ that gets one before step is updated with it (as
+    torch's optimizers read whatever .grad holds at step)."""
+    new = torch.full((4,), 1e-3).half()
+
+    def drop(m):
+        m[2].bias.grad = None
+
+    def give(m):
+        m[2].bias.grad = new.clone()
+
+    r = _recipe(torch.float16, give, before_unscale=drop)
+    params = list(r["model"].parameters())
+    assert r["unscaled"][3] is None
+    _assert_matches_fp32(r["opt"], params, _torch_adamw(r["init"], r["seen"]))
+    assert r["opt"].state[params[3]]["exp_avg"] == pytest.approx(0.1 * new.float(), rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["call", "max_grad_norm"])
+def test_scaler_clip_sees_user_edits_and_writes_grad(how):
+    """User code zeroes a layer, then scaler.clip_grad_norm_ (or max_grad_norm in step) clips: the norm
+    leaves that layer out, the others are clipped in fp32 (exact copies), .grad shows the clipped values."""
+    def zero_first(m):
+        m[0].weight.grad.zero_()
+
+    max_norm = 1e-3
+    kwargs = dict(clip=max_norm) if how == "call" else dict(scaler_kwargs=dict(max_grad_norm=max_norm))
+    r = _recipe(torch.float16, zero_first, **kwargs)
+    params = list(r["model"].parameters())
+    g32 = [g.float() / SCALE for g in r["scaled"]]
+    g32[0] = torch.zeros_like(g32[0])
+    norm = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in g32])).item()
+    coef = max_norm / (norm + 1e-6)
+    if how == "call":
+        assert r["norm"].item() == pytest.approx(norm, rel=1e-6)
+        for s, g in zip(r["seen"], g32):  # .grad: the clipped fp32 values, rounded once to float16
+            assert torch.equal(s, (g * coef).half()) or torch.allclose(s.float(), g * coef, rtol=2**-10, atol=2**-24)
+    _assert_matches_fp32(r["opt"], params, _torch_adamw(r["init"], [g * coef for g in g32]), rtol=1e-5)
+    assert r["warned"] == []
+
+
+def test_float16_edit_warning_is_shown_once():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).half()
+    opt = halfadam.AdamW(model.parameters())
+    scaler = halfadam.GradScaler(init_scale=2.0**8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+            scaler.step(opt)
+            scaler.update()
+    assert [w.category for w in caught] == [Float16GradWarning]
+    assert opt.state[model.weight]["step"].item() == 3

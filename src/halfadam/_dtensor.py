@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Tuple
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "localize"]
+__all__ = ["is_dtensor", "local", "localize", "flat_offset"]
 
 try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
     from torch.distributed.tensor import DTensor as _DTensor
@@ -26,6 +26,24 @@ def is_dtensor(t: Any) -> bool:
 def local(t: Any) -> Any:
     """The local shard of a ``DTensor`` (sharing its storage), or ``t`` itself for anything else."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def flat_offset(t: Any) -> int:
+    """The index in the flattened global tensor of the first element of ``t``'s local shard: 0 for a
+    plain tensor; for a ``DTensor`` whose shard is a run of whole rows (FSDP2's ``Shard(0)``, also
+    under ``Replicate``), its first row times the row's size. For other layouts (a shard that is not
+    one run of the flattened tensor) 0: its elements then count from the shard's start."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape[1:]) != tuple(t.shape[1:]) or any(offset[1:]):
+        return 0
+    row = 1
+    for n in t.shape[1:]:
+        row *= n
+    return int(offset[0]) * row if len(offset) else 0
 
 
 def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]

@@ -19,6 +19,12 @@ DeepSpeed's CPU Adam), timed in the same rounds on tensors of the same sizes and
 parameters and gradients (float32 for DeepSpeed's CPU Adam, which steps ZeRO-Offload's float32 master
 copy); a peer that is missing or fails one step is skipped with one line on stderr.
 
+A configuration that raises while it is built or timed (a damaged compile cache, an unsupported
+kernel) becomes a row marked ``failed: <ExceptionType>: <first line>`` (in JSON: a row with a
+``failed`` entry and no timings); the other configurations are still timed, and the command then ends
+with one line on stderr and exit status 1. Bad options end with one line and exit status 2, before
+anything is timed.
+
 Use ``python -m halfadam.bench`` or ``python benchmarks/bench_step.py``. The module follows the
 ``halfadam.cli`` command protocol (``HELP``, ``add_arguments(parser)``, ``run(args) -> int``), so
 ``halfadam bench`` is the entry ``"bench": "halfadam.bench"`` in ``halfadam.cli.COMMANDS``.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,7 +43,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from halfadam.cli.errors import CLIError
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
+from halfadam.cli.train import _nonnegative_int, _positive_int, _resolve_device
 from halfadam.cpu_kernel import supports
 from halfadam.encodings import PRESETS
 
@@ -110,59 +119,88 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _time_step(opt: torch.optim.Optimizer, device: str) -> float:
+    """Seconds one ``opt.step()`` takes on ``device`` (synchronised before and after): one configuration timed once."""
+    _sync(device)
+    t0 = time.perf_counter()
+    opt.step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _failure(exc: BaseException) -> str:
+    """``<ExceptionType>: <first line of its message>``, what a failed row shows."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 def measure(args) -> List[Dict[str, Any]]:
-    """Time every configuration; returns one dict per (case, implementation, dtype)."""
+    """Time every configuration; returns one dict per (case, implementation, dtype).
+
+    A configuration whose optimizer cannot be built or whose step raises gives a row with ``failed``
+    (:func:`_failure`) and no timings; it is not stepped again, and the others go on.
+    """
     import halfadam
 
     peers = [PEERS[name] for name in getattr(args, "peer_names", [])]
     rows = []
     for case in _cases(args):
-        configs = []  # (label dict, optimizer)
+        configs: List[list] = []  # [label dict, optimizer or None, failure or None]
+
+        def add(label, dtype, build):
+            try:
+                configs.append([label, build(_make_params(case["numel"], case["tensors"], dtype, args.device, 0)),
+                                None])
+            except Exception as exc:
+                configs.append([label, None, _failure(exc)])
+
         for variant, kw in TORCH_VARIANTS.items():
-            params = _make_params(case["numel"], case["tensors"], torch.float32, args.device, 0)
-            configs.append((dict(impl=f"torch {variant}", dtype="fp32"),
-                            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)))
+            add(dict(impl=f"torch {variant}", dtype="fp32"), torch.float32,
+                lambda params, kw=kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw))
         for dname in args.dtypes:
             for impl in args.impls:
                 for mode in args.state_modes:
                     if impl == "cpp" and (not supports(PRESETS[mode]) or args.device != "cpu"):
                         continue  # the C++ kernel: CPU only, no 8-bit moments
-                    params = _make_params(case["numel"], case["tensors"], DTYPES[dname], args.device, 0)
-                    configs.append((dict(impl=f"halfadam {impl}", dtype=dname, state=mode),
-                                    halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, implementation=impl,
-                                                   state_mode=mode)))
+                    add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
+                        lambda params, impl=impl, mode=mode: halfadam.AdamW(
+                            params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))
         for peer in peers:
-            params = _make_params(case["numel"], case["tensors"], peer.param_dtype, args.device, 0)
             dname = next(k for k, v in DTYPES.items() if v == peer.param_dtype)
-            configs.append((dict(impl=peer.label, dtype=dname), peer.build(params, lr=1e-3, weight_decay=0.01)))
+            add(dict(impl=peer.label, dtype=dname), peer.param_dtype,
+                lambda params, peer=peer: peer.build(params, lr=1e-3, weight_decay=0.01))
         times: Dict[int, List[float]] = {i: [] for i in range(len(configs))}
         first: Dict[int, float] = {}
         for r in range(args.warmup + args.repeat):
-            for i, (_, opt) in enumerate(configs):
-                _sync(args.device)
-                t0 = time.perf_counter()
-                opt.step()
-                _sync(args.device)
-                dt = time.perf_counter() - t0
+            for i, config in enumerate(configs):
+                if config[2] is not None:
+                    continue
+                try:
+                    dt = _time_step(config[1], args.device)
+                except Exception as exc:
+                    config[1:] = [None, _failure(exc)]  # its tensors go; the other configurations carry on
+                    continue
                 if r == 0:
                     first[i] = dt
                 if r >= args.warmup:
                     times[i].append(dt)
         torch_fused = None
-        for i, (label, opt) in enumerate(configs):
+        for i, (label, opt, failed) in enumerate(configs):
+            row = dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
+                       threads=torch.get_num_threads(), **label)
+            if failed is not None:
+                rows.append(dict(row, failed=failed))
+                continue
             t = statistics.median(times[i])
             if label["impl"] == "torch fused":
                 torch_fused = t
-            rows.append(dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
-                             threads=torch.get_num_threads(),
-                             **label, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
+            rows.append(dict(row, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
                              gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
                              first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
                              state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
-        for row in rows:
-            if row["case"] == case["name"]:
-                row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused
-        here = [r for r in rows if r["case"] == case["name"]]
+        here = [r for r in rows if r["case"] == case["name"] and "failed" not in r]
+        for row in here:
+            row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused if torch_fused else None
         ref = {(r["dtype"], r["state"]): r["ms"] for r in here if r["impl"] == "halfadam reference"}
         fp32_state = {(r["dtype"], r["impl"]): r["ms"] for r in here if r.get("state") == "fp32"}
         for row in here:
@@ -185,47 +223,83 @@ def _overhead(rows: List[Dict[str, Any]]) -> str:
     lines = ["per-step overhead (a step over 2,000 tensors of 10 elements: Python, validation, kernel entry):"]
     for r in rows:
         state = f" ({r['state']} state)" if r.get("state") else ""
+        if "failed" in r:
+            lines.append(f"  {r['impl']} {r['dtype']}{state}: failed: {r['failed']}")
+            continue
+        vs = "" if r["vs_torch_fused"] is None else f", {r['vs_torch_fused']:.2f}x torch fused"
         lines.append(f"  {r['impl']} {r['dtype']}{state}: {r['ms'] * 1e3:.0f} us/step, "
-                     f"{r['ms'] * 1e3 / r['tensors']:.2f} us/tensor, {r['vs_torch_fused']:.2f}x torch fused")
+                     f"{r['ms'] * 1e3 / r['tensors']:.2f} us/tensor{vs}")
     return "\n".join(lines) + "\n"
 
 
 def _table(rows: List[Dict[str, Any]]) -> str:
+    """The rows of one case as a text table; a failed row shows ``failed: ...`` after its labels."""
     head = ["case", "implementation", "dtype", "state", "ms/step", "ns/param", "GB/s", "x torch fused",
             "x faster than ref", "x fp32 state", "state B/param", "1st step s", "opt MB"]
     lines = [head]
     for r in rows:
-        sp, fs = r.get("speedup_vs_reference"), r.get("vs_fp32_state")
-        lines.append([r["case"], r["impl"], r["dtype"], r.get("state", "-"), f"{r['ms']:.2f}", f"{r['ns_per_param']:.3f}",
-                      f"{r['gb_per_s']:.1f}", f"{r['vs_torch_fused']:.2f}", "" if sp is None else f"{sp:.1f}",
-                      "" if fs is None else f"{fs:.2f}", f"{r['state_bytes_per_param']:.2f}",
-                      f"{r['first_step_s']:.2f}", f"{r['memory_mb']:.0f}"])
-    widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(l, widths)) for l in lines) + "\n"
+        labels = [r["case"], r["impl"], r["dtype"], r.get("state", "-")]
+        if "failed" in r:
+            lines.append(labels + [f"failed: {r['failed']}"])  # runs across the figures' columns
+            continue
+        sp, fs, vs = r.get("speedup_vs_reference"), r.get("vs_fp32_state"), r.get("vs_torch_fused")
+        lines.append(labels + [f"{r['ms']:.2f}", f"{r['ns_per_param']:.3f}", f"{r['gb_per_s']:.1f}",
+                               "" if vs is None else f"{vs:.2f}", "" if sp is None else f"{sp:.1f}",
+                               "" if fs is None else f"{fs:.2f}", f"{r['state_bytes_per_param']:.2f}",
+                               f"{r['first_step_s']:.2f}", f"{r['memory_mb']:.0f}"])
+    widths = [max(len(str(l[i])) for l in lines if len(l) == len(head) or i < 4) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip() for l in lines) + "\n"
+
+
+def _sizes(text: str) -> List[int]:
+    """``--sizes``: comma-separated positive integer parameter counts, in any notation Python reads (``1e6``)."""
+    sizes = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            try:
+                value = float(part)
+            except ValueError:
+                value = math.nan
+        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            where = f" in {text!r}" if "," in text else ""
+            raise argparse.ArgumentTypeError(f"expected positive integer parameter counts like 1e6,2e7, got "
+                                             f"{part.strip()!r}{where}")
+        sizes.append(int(value))
+    return sizes
+
+
+def _names(text: str) -> List[str]:
+    """A comma-separated list (``--dtypes``, ``--impls``, ``--state-modes``; :func:`run` checks each name)."""
+    return [name.strip() for name in text.split(",")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--sizes", type=lambda s: [int(float(x)) for x in s.split(",")], default=[1_000_000, 20_000_000],
+    """Register ``halfadam bench``'s options on ``parser`` (returned)."""
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    parser.add_argument("--sizes", type=_sizes, default=[1_000_000, 20_000_000],
                         help="comma-separated parameter counts (default 1e6,2e7), split into --tensors tensors")
-    parser.add_argument("--tensors", type=int, default=50, help="tensors per size case (default 50)")
+    parser.add_argument("--tensors", type=_positive_int, default=50, help="tensors per size case (default 50)")
     parser.add_argument("--large", action="store_true", help="also 100M parameters (needs ~10 GB)")
     parser.add_argument("--no-small", action="store_true",
                         help="skip the many-small-tensors case (2000 tensors, 2M) and the overhead case (2000 tensors "
                              "of 10 elements)")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES), help="fp16,bf16,fp32")
-    parser.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS),
+    parser.add_argument("--dtypes", type=_names, default=list(DTYPES), help="fp16,bf16,fp32 (default all)")
+    parser.add_argument("--impls", type=_names, default=list(IMPLS),
                         help="reference,foreach,fused,cpp (default all). reference: one update per tensor; foreach: "
                              "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
                              "cpp: the hand-written C++ CPU kernel (CPU only; state modes fp32, split, bf16: skipped elsewhere). "
                              "implementation='auto' runs cpp on the CPU where it builds, else fused")
-    parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else s.split(","),
+    parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else _names(s),
                         default=["fp32", "compact"],
                         help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "
                              "(default fp32,compact); 'x fp32 state' is each row's time over the fp32-state one")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds (the first compiles)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed rounds; the median is reported")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--warmup", type=_nonnegative_int, default=2,
+                        help="untimed rounds (default 2; the first compiles)")
+    parser.add_argument("--repeat", type=_positive_int, default=7,
+                        help="timed rounds (default 7); the median is reported")
+    parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch.set_num_threads for the run (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     parser.add_argument("--peers", action="store_true",
@@ -244,22 +318,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status."""
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("halfadam bench: --device cuda but no CUDA device is available", file=sys.stderr)
-        return 2
-    for d in args.dtypes:
-        if d not in DTYPES:
-            print(f"halfadam bench: unknown dtype {d!r} (choose from {list(DTYPES)})", file=sys.stderr)
-            return 2
-    for i in args.impls:
-        if i not in IMPLS:
-            print(f"halfadam bench: unknown implementation {i!r} (choose from {list(IMPLS)})", file=sys.stderr)
-            return 2
-    for m in args.state_modes:
-        if m not in STATE_MODES:
-            print(f"halfadam bench: unknown state mode {m!r} (choose from {list(STATE_MODES)}, or all)", file=sys.stderr)
-            return 2
+    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); returns the exit status.
+
+    0: every configuration was timed; 1: some failed (rows marked ``failed``, one line on stderr).
+    Raises :class:`~halfadam.cli.CLIError` (one line, exit status 2 under :func:`halfadam.cli.main`)
+    for options argparse cannot check, before anything is timed.
+    """
+    args.device = str(_resolve_device(args.device))
+    for option, what, names, known in (("--dtypes", "dtype", args.dtypes, DTYPES),
+                                       ("--impls", "implementation", args.impls, IMPLS),
+                                       ("--state-modes", "state mode", args.state_modes, STATE_MODES)):
+        for name in names:
+            if name not in known:
+                also = ", or all" if option == "--state-modes" else ""
+                raise CLIError(f"{option}: unknown {what} {name!r} (choose from {', '.join(known)}{also})")
+    for size in args.sizes:
+        if size < args.tensors:
+            raise CLIError(f"--sizes {size} is smaller than --tensors {args.tensors} (each tensor needs at least "
+                           f"one parameter)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.peer_names = []
@@ -269,13 +345,22 @@ def run(args) -> int:
     rows = measure(args)
     if args.json:
         print(json.dumps(rows, indent=1))
+    failed = [r for r in rows if "failed" in r]
+    if failed:
+        print(f"halfadam bench: {len(failed)} of {len(rows)} configurations failed (the rows marked failed)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``halfadam bench`` as a standalone program: ``python -m halfadam.bench [options]``."""
-    parser = add_arguments(argparse.ArgumentParser(prog="halfadam bench", description=__doc__.split("\n\n")[0]))
-    return run(parser.parse_args(argv))
+    """``halfadam bench`` as a standalone program: ``python -m halfadam.bench [options]``.
+
+    The same as ``halfadam bench`` (:func:`halfadam.cli.main`): bad options print one line and return 2.
+    """
+    from halfadam.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

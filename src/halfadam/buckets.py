@@ -79,6 +79,10 @@ class Bucket:
             key: torch.zeros(total, dtype=dt, **on) for key, dt in encodings.element_keys(self.format, self.has_master).items()}
         self.flat.update({key: torch.zeros(total // BLOCK, dtype=dt, **on)
                           for key, dt in encodings.block_keys(self.format, self.has_master).items()})
+        # each block's index within its parameter: the stochastic rounding's positions (encodings.positions)
+        self.block_index: Optional[Tensor] = None
+        if self.format.stochastic:
+            self.block_index = torch.cat([torch.arange(n // BLOCK, dtype=torch.int32) for n in self.sizes]).to(**on)
         self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
         self._uniform_at: Optional[int] = None  # steps._version at which the step counts were all equal
         self._out: Optional[Tensor] = None
@@ -134,8 +138,12 @@ class Bucket:
         return cached
 
     def segment(self, a: int, b: int) -> Dict[str, Tensor]:
-        """The flat buffers' slices for elements ``a:b`` (multiples of BLOCK when blocked)."""
-        return encodings.slice_flat(self.flat, a, b)
+        """The flat buffers' slices for elements ``a:b`` (multiples of BLOCK when blocked), with the
+        blocks' indices in their parameters (``encodings.BLOCK_INDEX``) when the format draws random bits."""
+        stored = encodings.slice_flat(self.flat, a, b)
+        if self.block_index is not None:
+            stored[encodings.BLOCK_INDEX] = self.block_index[a // BLOCK:b // BLOCK]
+        return stored
 
     def attach(self, state: dict, i: int) -> None:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.

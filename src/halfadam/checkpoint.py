@@ -19,6 +19,7 @@ import copy
 import functools
 import hashlib
 import os
+import pickle
 import re
 import tempfile
 from pathlib import Path
@@ -58,16 +59,14 @@ def _read_tensor_file(path: PathLike) -> Mapping[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no such file: {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
+        try:
             return load_file(str(path), device="cpu")
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"{path} cannot be read (truncated or corrupt?): {_first_line(exc)}") from None
+        except Exception as exc:
+            raise CheckpointError(f"{path} cannot be read (truncated or corrupt?): {_first_line(exc)}") from None
+    data = _torch_load(path, what="a state_dict file", map_location="cpu", weights_only=True)
     if isinstance(data, Mapping) and data.get("format") == _FORMAT:
         raise CheckpointError(f"{path} is a halfadam checkpoint; use load_checkpoint")
     if not isinstance(data, Mapping):
@@ -97,7 +96,8 @@ def load_master_state_dict(
         strict: the keys must be exactly the model's (default); ``False`` loads the common keys.
 
     Raises:
-        CheckpointError (nothing is changed): an unreadable file; missing or unexpected keys (strict);
+        CheckpointError (nothing is changed): an unreadable file (not written by ``torch.save``,
+            truncated, or holding Python objects other than tensors); missing or unexpected keys (strict);
             a value that is not a tensor, of another shape, floating for a non-floating entry or the
             reverse; tied entries with different values.
         TypeError: ``optimizer`` is not a halfadam optimizer.
@@ -154,6 +154,67 @@ def load_master_state_dict(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+#: How every file torch.save writes begins: a zip archive (the default), or torch's pickled magic number
+#: (``_use_new_zipfile_serialization=False``).
+_TORCH_FILE_STARTS = (b"PK\x03\x04", pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2))
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """Whether ``path`` begins as a ``torch.save`` file does (it may still be truncated or damaged)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(max(len(s) for s in _TORCH_FILE_STARTS))
+    except OSError:
+        return True  # unreadable: let torch.load's own error speak
+    return head.startswith(_TORCH_FILE_STARTS)
+
+
+def _torch_load(path: Path, *, what: str, weights_only_flag: bool = False, **kwargs: Any) -> Any:
+    """``torch.load(path, **kwargs)``, its failures as a CheckpointError saying which of these it is.
+
+    * not a ``torch.save`` file at all (text, random bytes, an empty file, a bare pickle): ``what`` it is
+      not. Found from the file's first bytes before ``torch.load`` runs (which, with
+      ``weights_only=False``, would unpickle a bare pickle's first object);
+    * a ``torch.save`` file that ``weights_only=True`` refuses because it holds other Python objects
+      (named from torch's message); with ``weights_only_flag`` (the caller takes ``weights_only``),
+      ``weights_only=False`` is suggested, for a trusted file only;
+    * a ``torch.save`` file of a device this machine lacks;
+    * otherwise truncated or corrupt.
+    """
+    if not _written_by_torch_save(path):
+        raise CheckpointError(f"{path} is not {what} (not a file written by torch.save)")
+    try:
+        return torch.load(path, **kwargs)
+    except Exception as exc:
+        raise _torch_load_error(path, exc, weights_only_flag) from None
+
+
+def _torch_load_error(path: Path, exc: Exception, weights_only_flag: bool) -> CheckpointError:
+    """The CheckpointError for a ``torch.save`` file that ``torch.load`` failed on (see :func:`_torch_load`)."""
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        advice = "; pass weights_only=False only if you trust the file (it can run code)" if weights_only_flag else ""
+        return CheckpointError(f"{path} holds a Python object other than plain data and tensors "
+                               f"({found[1]}){advice}")
+    if "CUDA" in text or "device" in text:
+        hint = "it was saved on a device this machine lacks; pass map_location='cpu'"
+    else:
+        hint = "truncated or corrupt?"
+    return CheckpointError(f"{path} cannot be read ({hint}): {_first_line(exc)}")
+
+
+def _describe(value: Any) -> str:
+    """A few words on what a foreign file held (for "not a halfadam checkpoint" messages)."""
+    if isinstance(value, Mapping):
+        keys = [repr(k) for k in list(value)[:4]]
+        more = ", ..." if len(value) > 4 else ""
+        if not keys:
+            return "an empty dict"
+        return f"a dict of {len(value)} entr{'y' if len(value) == 1 else 'ies'} ({', '.join(keys)}{more})"
+    return f"a {type(value).__name__}"
 
 
 def _digest(obj: Any) -> str:
@@ -484,16 +545,18 @@ def load_checkpoint(
         path: the file.
         map_location: as ``torch.load``'s (``"cpu"``: a checkpoint written on CUDA loads anywhere).
         weights_only: as ``torch.load``'s; ``True`` (default) reads plain data and tensors only. Pass
-            ``False`` only for a trusted file holding other Python objects.
+            ``False`` only for a trusted file holding other Python objects (loading it can run code).
         **objects: name -> object with ``load_state_dict`` (the names used with save_checkpoint).
 
     Returns:
         The checkpoint's entries, name -> saved value (state_dicts and plain entries such as the step).
 
     Raises:
-        CheckpointError: no such file; a truncated, corrupt or foreign file; a missing entry; a state
-            that does not match its object (the message names the entry and what differs). Nothing
-            has been loaded.
+        CheckpointError: no such file; a file that is not a halfadam checkpoint (not written by
+            ``torch.save`` at all, such as text or random bytes, or a ``torch.save`` file without the
+            checkpoint format); a truncated or corrupt file; with ``weights_only=True``, a file holding
+            other Python objects (the message names one); a missing entry; a state that does not match
+            its object (the message names the entry and what differs). Nothing has been loaded.
         TypeError: an object without ``load_state_dict``, or one (other than a model or an optimizer)
             that cannot be deep-copied to check its state. Nothing has been loaded.
 
@@ -504,19 +567,11 @@ def load_checkpoint(
     _remove_dead_temporaries(path.parent)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as exc:
-        text = _first_line(exc)
-        if weights_only and "weights_only" in str(exc):
-            hint = "it holds Python objects other than plain data; pass weights_only=False if you trust the file"
-        elif "CUDA" in str(exc) or "device" in str(exc):
-            hint = "it was saved on a device this machine lacks; pass map_location='cpu'"
-        else:
-            hint = "truncated or corrupt?"
-        raise CheckpointError(f"{path} cannot be read ({hint}): {text}") from None
+    payload = _torch_load(path, what="a halfadam checkpoint", weights_only_flag=True, map_location=map_location,
+                          weights_only=weights_only)
     if not isinstance(payload, Mapping) or payload.get("format") != _FORMAT:
-        raise CheckpointError(f"{path} is not a halfadam checkpoint (written by save_checkpoint)")
+        raise CheckpointError(f"{path} is not a halfadam checkpoint (one written by save_checkpoint): it holds "
+                              f"{_describe(payload)}")
     if payload.get("version") != _FORMAT_VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {payload.get('version')!r}; this halfadam "
                               f"reads version {_FORMAT_VERSION}")

@@ -11,29 +11,55 @@ first pair they would reject). Its equations are
 and F16C where the CPU has them, split over torch's intra-op threads (``torch.set_num_threads``).
 
 It is compiled by :func:`torch.utils.cpp_extension.load` (gcc or clang, and ninja) with
-``-O3 -march=native -ffp-contract=off -fopenmp``, once per source, torch version, CPU and compiler
-(``CXX``): the build directory's name carries a digest of them, under ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``). The first build takes about a minute; later processes load it in
-well under a second. Where it cannot be built (no compiler, no ninja, a failed build) :func:`load`
-returns ``None`` and :func:`unavailable_reason` says why (also logged), and ``implementation="auto"``
-runs the ``torch.compile`` path instead. Set ``HALFADAM_CPP=0`` (or ``false``/``off``/``no``) to never
-build or use it.
+``-O3 -march=native -ffp-contract=off -fopenmp``, once per build key: the source's bytes, the flags,
+torch (version, build and install directory), Python's include directory and extension ABI, the CPU's
+flags and the compiler (``CXX`` and the file it names). The key's digest names a directory under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), so every checkout, worktree or
+virtual environment with the same key shares one build, and one with another key gets its own. In it:
+
+* ``build/``: the ninja build of a copy of the source (so its command never depends on the checkout);
+  wiped before every build, which is therefore always a clean one;
+* ``halfadam_cpu_<digest>.so``: the built library, copied there atomically (a temporary file, fsync,
+  rename), and ``halfadam_cpu_<digest>.so.sha256``, its checksum, written after it. The process that
+  builds imports what it has just built; every other one imports this library, without running ninja,
+  and only once it matches its checksum: a missing or damaged one (a crash or a full disk while it was
+  written) is rebuilt, with one line saying why;
+* ``halfadam_build_failed.txt``: the reason a build failed, so later processes do not retry it
+  (delete it to retry);
+* ``halfadam.lock``: held (``flock``) by the process that builds; others wait for it, with one line.
+
+Every build, the first or a rebuild, is announced on the ``halfadam`` logger at WARNING level. The
+first takes about a minute; later processes load the library in well under a second. Where it cannot
+be built (no compiler, no ninja, a failed build) :func:`load` returns ``None`` and
+:func:`unavailable_reason` says why (also logged), and ``implementation="auto"`` runs the
+``torch.compile`` path instead. Set ``HALFADAM_CPP=0`` (or ``false``/``off``/``no``) to never build or
+use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
+import shutil
+import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .encodings import StateFormat
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock between processes (cpp_extension's own covers the ninja build)
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["load", "loaded", "supports", "unavailable_reason", "SOURCE"]
 
@@ -41,11 +67,16 @@ SOURCE = Path(__file__).with_name("csrc") / "adam_cpu.cpp"
 # -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without it the loop runs on one
 # thread. The module links libgomp by its soname, so it shares the runtime torch has loaded.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_FAILED = "halfadam_build_failed.txt"
 
 _log = logging.getLogger("halfadam")
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
 _reason: Optional[str] = None  # why the kernel is unavailable, once known
+
+
+class _Unavailable(Exception):
+    """The kernel cannot be had (an earlier build failed, or this one did); the reason, already logged."""
 
 
 def _cpu_signature() -> str:
@@ -60,18 +91,31 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _build_name(source: bytes) -> str:
+    """``halfadam_cpu_<digest>``, the name of the module, of its directory and of its library: a digest
+    of everything that changes the built library, and of nothing else (not the checkout's path)."""
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)  # the compiler PATH selects, through links (an alternatives switch)
+    key = (CFLAGS, torch.__version__, torch.version.git_version, str(Path(torch.__file__).parent),
+           sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix"),
+           sysconfig.get_config_var("EXT_SUFFIX"), _cpu_signature(), compiler, found and os.path.realpath(found))
+    return f"halfadam_cpu_{hashlib.sha256(source + repr(key).encode()).hexdigest()[:16]}"
+
+
 def supports(fmt: StateFormat) -> bool:
-    """Whether the kernel implements state format ``fmt``: an fp32 or split master, and both moments
-    float32 or both bfloat16 (the presets ``fp32``, ``split`` and ``bf16``; not the 8-bit moments)."""
-    return fmt.exp_avg == fmt.exp_avg_sq and fmt.exp_avg in (torch.float32, torch.bfloat16)
+    """Whether the kernel implements state format ``fmt``: an fp32 or split master, and each moment
+    float32 or bfloat16 (the presets ``fp32``, ``split`` and ``bf16`` and their mixes; not the 8-bit moments)."""
+    return fmt.exp_avg in (torch.float32, torch.bfloat16) and fmt.exp_avg_sq in (torch.float32, torch.bfloat16)
 
 
 def load() -> Optional[ModuleType]:
-    """The compiled extension module, building it on first use; ``None`` where it cannot be built.
+    """The compiled extension module, from the cache or built (rebuilt) on first use in this process;
+    ``None`` where it cannot be had, with the reason in :func:`unavailable_reason`. Never raises.
 
     A build is announced on the ``halfadam`` logger at WARNING level (printed to stderr unless logging
-    is configured otherwise), as is a failure. A failed build leaves ``halfadam_build_failed.txt`` with
-    the reason in its build directory, so later processes do not retry it (delete the file to retry).
+    is configured otherwise), as are a damaged cached library and a failure. A failed build leaves
+    ``halfadam_build_failed.txt`` with the reason in its build directory, so later processes do not
+    retry it (delete the file to retry).
     """
     global _module, _reason
     if _module is not None or _reason is not None:
@@ -83,37 +127,153 @@ def load() -> Optional[ModuleType]:
         if setting.strip().lower() in ("0", "false", "off", "no"):
             _reason = f"disabled (HALFADAM_CPP={setting})"
             return None
-        compiler = os.environ.get("CXX", "c++")  # a fixed or changed compiler gets a new build directory
-        digest = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, torch.__version__, _cpu_signature(),
-                                                            compiler)).encode())
-        name = f"halfadam_cpu_{digest.hexdigest()[:16]}"
-        failed: Optional[Path] = None
         try:
-            from torch.utils import cpp_extension
-
-            build_dir = cpp_extension._get_build_directory(name, verbose=False)
-            failed = Path(build_dir) / "halfadam_build_failed.txt"
-            if failed.exists():
-                _reason = f"{failed.read_text().strip()} (an earlier build; delete {failed} to retry)"
-                _log.warning("halfadam: the C++ CPU kernel is skipped: %s", _reason)
-                return None
-            if not (Path(build_dir) / f"{name}.so").exists():
-                _log.warning("halfadam: compiling the C++ CPU kernel (once for this version and CPU, about a minute; "
-                             "cached in %s; HALFADAM_CPP=0 skips it)", build_dir)
-            _module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                          extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # no compiler or ninja, a failed build
-            _reason = f"{type(exc).__name__}: {_first_cause(str(exc))}"
-            remembered = ""
-            if failed is not None:
-                try:
-                    failed.write_text(_reason + "\n")
-                    remembered = f"; remembered in {failed} (delete it to retry)"
-                except OSError:
-                    pass
+            _module = _load_or_build(SOURCE.read_bytes())
+        except _Unavailable as exc:
+            _reason = str(exc)
+        except Exception as exc:  # no cache directory, no torch.utils.cpp_extension, a library that will not load
+            _reason = _describe(exc)
             _log.warning("halfadam: the C++ CPU kernel is unavailable (%s); implementation='auto' runs the "
-                         "torch.compile path instead%s", _reason, remembered)
+                         "torch.compile path instead", _reason)
         return _module
+
+
+def _load_or_build(source: bytes) -> ModuleType:
+    """The kernel built from ``source``: the cached library where it matches its checksum, else built
+    (a missing library) or rebuilt (a damaged one, announced with what is wrong) under the directory's
+    lock, which only one process holds (the others wait, then find it built).
+
+    Raises :class:`_Unavailable` (logged) where an earlier build failed (its marker file is there) or
+    this one fails (writing the marker); ``OSError`` where the cache cannot be read or written;
+    ``ImportError`` where a checked library does not load.
+    """
+    from torch.utils import cpp_extension
+
+    name = _build_name(source)
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    library, failed = directory / f"{name}.so", directory / _FAILED
+    _raise_if_failed(failed)
+    if _problem(library) is None:
+        return _import(name, library)
+    with _exclusive(directory / "halfadam.lock"):
+        _raise_if_failed(failed)  # another process's build failed while this one waited...
+        problem = _problem(library)
+        if problem is None:  # ... or succeeded
+            return _import(name, library)
+        if problem != "missing":
+            _log.warning("halfadam: the cached C++ CPU kernel %s is unusable (%s); rebuilding it", library, problem)
+        try:
+            return _build(name, source, directory, library)
+        except Exception as exc:  # no compiler or ninja, a failed build
+            reason, remembered = _describe(exc), ""
+            try:
+                failed.write_text(reason + "\n")
+                remembered = f"; remembered in {failed} (delete it to retry)"
+            except OSError:
+                pass
+            _log.warning("halfadam: the C++ CPU kernel is unavailable (%s); implementation='auto' runs the "
+                         "torch.compile path instead%s", reason, remembered)
+            raise _Unavailable(reason) from exc
+
+
+def _raise_if_failed(failed: Path) -> None:
+    """Raises :class:`_Unavailable` (logged) with the reason an earlier build left in ``failed``, if it is there."""
+    try:
+        text = failed.read_text().strip()
+    except FileNotFoundError:
+        return
+    reason = f"{text} (an earlier build; delete {failed} to retry)"
+    _log.warning("halfadam: the C++ CPU kernel is skipped: %s", reason)
+    raise _Unavailable(reason)
+
+
+def _problem(library: Path) -> Optional[str]:
+    """``None`` where ``library`` matches the sha256 in ``library.sha256``, else what is wrong with it:
+    ``"missing"`` where neither file is there (never built). Raises ``OSError`` where one cannot be read."""
+    checksum = library.with_name(library.name + ".sha256")
+    try:
+        data = library.read_bytes()
+    except FileNotFoundError:
+        return "missing" if not checksum.exists() else "the library is missing"
+    try:
+        expected = checksum.read_text().strip()
+    except FileNotFoundError:
+        return f"its checksum file {checksum.name} is missing"
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        return f"its sha256 {actual[:16]}... ({len(data)} bytes) is not the one it was written with, {expected[:16]}..."
+    return None
+
+
+def _build(name: str, source: bytes, directory: Path, library: Path) -> ModuleType:
+    """Compiles ``source`` as module ``name`` in a clean ``directory/build`` (announced), installs the
+    result as ``library`` with its checksum, and returns the module (imported from the build).
+
+    Raises what :func:`torch.utils.cpp_extension.load` raises (no compiler or ninja, a compile error)
+    and ``OSError`` (the directory cannot be written).
+    """
+    from torch.utils import cpp_extension
+
+    for stale in (library, library.with_name(library.name + ".sha256")):
+        stale.unlink(missing_ok=True)
+    build = directory / "build"
+    shutil.rmtree(build, ignore_errors=True)  # no objects, command lines or lock file of an earlier build
+    build.mkdir()
+    copy = build / SOURCE.name
+    copy.write_bytes(source)
+    _log.warning("halfadam: compiling the C++ CPU kernel (once for this source, torch, Python, CPU and compiler, "
+                 "about a minute; cached in %s; HALFADAM_CPP=0 skips it)", directory)
+    module = cpp_extension.load(name=name, sources=[str(copy)], build_directory=str(build), extra_cflags=CFLAGS,
+                                extra_ldflags=["-fopenmp"], verbose=False)
+    data = (build / library.name).read_bytes()
+    _write_atomically(library, data, mode=0o755)
+    _write_atomically(library.with_name(library.name + ".sha256"), (hashlib.sha256(data).hexdigest() + "\n").encode())
+    return module
+
+
+def _write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Writes ``data`` to ``path`` so that ``path`` is always absent, its old content or all of ``data``
+    (a temporary file next to it, fsync, rename). Raises ``OSError``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    """The extension module in ``library``, built as ``name`` (its ``PyInit_<name>``). Raises ``ImportError``."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on ``path`` (released by the system if the process dies) while the
+    block runs, saying so when another process holds it. No lock where ``fcntl`` is missing (Windows)."""
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.warning("halfadam: waiting for another process that builds the C++ CPU kernel in %s", path.parent)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _describe(exc: Exception) -> str:
+    """``"<type>: <cause>"`` for an exception from a build (its first telling line, not torch's command line)."""
+    return f"{type(exc).__name__}: {_first_cause(str(exc))}"
 
 
 def _first_cause(message: str) -> str:

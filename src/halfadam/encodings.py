@@ -40,27 +40,45 @@ The encodings:
   steps (the first step from a constant initialisation). For float16 parameters the remainder is
   ``(master - param) / ulp(param) * 2**16``, rounded: exact while the master is in fp16's normal
   range (fp32 has 13 more significant bits than fp16); below 2**-14 its absolute error is at most
-  2**-41; a master beyond fp16's range is lost with the parameter (inf).
+  2**-41; a master beyond fp16's range is lost with the parameter (inf). No remainder is kept over a
+  parameter of +-0 or +-inf (either dtype): a master that rounds to zero (|m| <= 2**-25 in float16,
+  2**-134 in bfloat16) or to an infinity is that zero or infinity, so that a zero or an infinity
+  written to the parameter is exactly what the fp32 state would hold.
   Writes to the parameter: the split cannot see them. The decoded master is the written value plus
-  the old remainder (within half an ulp of it); where that does not round to the parameter (nan or
-  the other sign after writing +-0) the parameter's value is taken (the master-sync rule of
-  :mod:`halfadam.functional`). :func:`set_master_` (``load_master_state_dict``) and checkpoint loads
-  set exact masters; dtype changes restart from the parameter with a zero remainder.
+  the old remainder (within half an ulp of it); where that does not round to the parameter (nan, or
+  a zero of the other sign) or the written value is +-0, nan or +-inf, the parameter's value is
+  taken (the master-sync rule of :mod:`halfadam.functional`). :func:`set_master_`
+  (``load_master_state_dict``) and checkpoint loads set exact masters. A dtype change keeps the
+  master, as in the fp32 state (``AdamW._conform_state``): ``model.float()`` makes each parameter
+  its master, bit for bit.
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
 * **uint8 moments**, block-wise with one fp32 absmax per block of 128 (Dettmers et al., "8-bit
   Optimizers via Block-wise Quantization", ICLR 2022). ``exp_avg``: Dettmers' signed dynamic tree
-  map (bitsandbytes' ``create_dynamic_map``), nearest code. ``exp_avg_sq``: code 0 is 0, codes
-  1..255 are ``absmax * 2**(-24 * (255 - c) / 254)`` (24 octaves, log-spaced), stochastic rounding
-  unbiased in value, and a nonzero value never encodes to 0 (it would make ``m / sqrt(v)`` explode);
-  values below the range take code 1. Chosen on measurements (``docs/research/compact-state``):
+  map (bitsandbytes' ``create_dynamic_map``), nearest code (ties to the smaller magnitude).
+  ``exp_avg_sq``: code 0 is 0, codes 1..255 are ``absmax * 2**(-24 * (255 - c) / 254)`` (24 octaves,
+  log-spaced), stochastic rounding unbiased in value between the largest level ``<= v`` and the next
+  one, and a nonzero value never encodes to 0 (it would make ``m / sqrt(v)`` explode); values below
+  the range take code 1. Both are defined by exact float32 comparisons with their tables: the
+  ``log10``/``log2`` that find the code only estimate it, so their rounding changes no code, and the
+  C++ kernel writes the same bytes. Chosen on measurements (``docs/research/compact-state``):
   Dettmers' unsigned map and linear maps for ``exp_avg_sq`` lost 20-109% of validation loss on the
   digits task.
 
-Random bits are a hash of the value being rounded, the step and the state kind (no generator
-state): every execution draws the same bits for the same value, and a resumed run continues
-bitwise.
+Random bits are a hash of the element's position in its parameter (its index in the flattened
+parameter), the step and the state kind (no generator state, nothing computed): every execution
+draws the same bits, float32 values that differ by an ulp between two executions round with the
+same bits, a resumed run continues bitwise, and a shard that knows its offset draws its elements'
+bits. (Elements at the same position of two parameters of one step draw the same bits.)
+
+Non-finite values (a nan or inf gradient, an overflowing ``g * g``): bfloat16 moments keep them
+(stochastic rounding of nan is nan, of inf is inf). A uint8 block that holds one is flagged by
+the sign bit of its stored absmax (the absmax of its finite values, so the rest of the block keeps
+its precision); in a flagged block reserved codes hold them (``exp_avg``: the map's values nearest
+zero, indices 126, 128, 129, mean -inf, +inf, nan; ``exp_avg_sq``: codes 1, 2 mean +inf, nan) and
+the finite values that would take those codes take 0.0 (``exp_avg``, an error below 6e-6 of the
+absmax) or code 3 (``exp_avg_sq``). Blocks without one are stored exactly as before.
 
 Layout: per-element keys have the parameter's shape; per-block keys (``*_absmax``, ``master_tie``)
 are 1-D, ``ceil(numel / 128)`` long; blocks run over the flattened parameter, the last one padded
@@ -70,13 +88,14 @@ with zeros. In flat buckets each parameter starts at a multiple of 128 (:mod:`ha
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .functional import adam_elementwise_, sync_master_
+from .functional import adam_elementwise_, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
            "decode_state", "encode_state_", "encoded_update_", "update_param_", "tables", "bytes_per_element", "for_param",
@@ -100,9 +119,15 @@ class StateFormat:
     exp_avg_sq: torch.dtype = torch.float32
 
     @property
+    def stochastic(self) -> bool:
+        """Whether some moment rounds stochastically (bfloat16 moments, uint8 ``exp_avg_sq``)."""
+        return self.exp_avg == torch.bfloat16 or self.exp_avg_sq != torch.float32
+
+    @property
     def blocked(self) -> bool:
-        """Whether some key is per block (flat buffers then start each parameter at a multiple of BLOCK)."""
-        return self.master == "split" or torch.uint8 in (self.exp_avg, self.exp_avg_sq)
+        """Whether flat buffers start each parameter at a multiple of BLOCK: some key is per block, or
+        the random bits need each element's position in its parameter (:func:`positions`)."""
+        return self.master == "split" or torch.uint8 in (self.exp_avg, self.exp_avg_sq) or self.stochastic
 
     @property
     def is_fp32(self) -> bool:
@@ -207,30 +232,56 @@ def n_blocks(numel: int) -> int:
 _MASK32 = 0xFFFFFFFF
 
 
-def _random_bits(x: Tensor, seed: Tensor, salt: int) -> Tensor:
-    """32 pseudo-random bits (int64 in [0, 2**32)) per element of float32 ``x``: a hash of its bit
-    pattern, the 0-d int64 ``seed`` (the step) and ``salt``; three xor-shift-multiply rounds (the
-    "lowbias32" family) with multipliers below 2**31, so int64 products never overflow."""
-    h = (x.view(torch.int32).to(torch.int64) & _MASK32) ^ ((seed * 0x27D4EB2F + salt) & _MASK32)
+def _random_bits(position: Tensor, seed: Tensor, salt: int) -> Tensor:
+    """32 pseudo-random bits (int64 in [0, 2**32)) per element: a hash of the element's ``position``
+    in its parameter (int64, the index in the flattened parameter), the 0-d int64 ``seed`` (the
+    step) and ``salt`` (the state kind); three xor-shift-multiply rounds (the "lowbias32" family)
+    with multipliers below 2**31, so int64 products never overflow.
+
+    The bits depend on nothing computed: implementations whose float32 values differ by an ulp (an
+    eager and a compiled ``sqrt``) draw the same bits, and so do a resumed run and a sharded one."""
+    h = (position & _MASK32) ^ ((seed * 0x27D4EB2F + salt) & _MASK32)
     h = ((h ^ (h >> 16)) * 0x7FEB352D) & _MASK32
     h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & _MASK32
     h = ((h ^ (h >> 16)) * 0x297A2D39) & _MASK32
     return h ^ (h >> 15)
 
 
+#: The key of the per-block int32 index of each block within its parameter, passed to
+#: :func:`encoded_update_` with the state (not stored in it): element ``lane`` of block ``b`` is at
+#: position ``block_index[b] * BLOCK + lane``. Without it the flat tensors hold one parameter from 0.
+BLOCK_INDEX = "block_index"
+
+
+#: The key of per-element int64 positions passed with the state instead (a shard of a parameter).
+POSITION = "position"
+
+
+def positions(stored: Dict[str, Tensor], n: int, device: torch.device) -> Tensor:
+    """Each of ``n`` flat elements' position in its parameter (int64): ``stored[POSITION]``, else from
+    ``stored[BLOCK_INDEX]``, else ``0 .. n - 1``."""
+    if POSITION in stored:
+        return stored[POSITION]
+    index = stored.get(BLOCK_INDEX)
+    if index is None:
+        return torch.arange(n, dtype=torch.int64, device=device)
+    lane = torch.arange(BLOCK, dtype=torch.int64, device=device)
+    return (index.to(torch.int64).view(-1, 1) * BLOCK + lane).view(-1)
+
+
 def random_seed(fmt: StateFormat, step: Union[int, float, Tensor], device: torch.device) -> Optional[Tensor]:
     """The random bits' seed (the step, 0-d int64 on ``device``), or ``None`` when ``fmt`` draws none
     (only bfloat16 and uint8 ``exp_avg_sq``/bfloat16 ``exp_avg`` round stochastically)."""
-    if fmt.exp_avg != torch.bfloat16 and fmt.exp_avg_sq == torch.float32:
+    if not fmt.stochastic:
         return None
     if isinstance(step, Tensor):
         return step.to(device=device, dtype=torch.int64)
     return torch.tensor(int(step), dtype=torch.int64, device=device)
 
 
-def _uniform(x: Tensor, seed: Tensor, salt: int) -> Tensor:
+def _uniform(position: Tensor, seed: Tensor, salt: int) -> Tensor:
     """A float32 in [0, 1) per element (24 random bits)."""
-    return (_random_bits(x, seed, salt) >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    return (_random_bits(position, seed, salt) >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
 # ---------------------------------------------------------------------------------- constants
@@ -304,17 +355,21 @@ def _split_decode(param: Tensor, hi: Tensor, lo: Tensor, tie: Tensor) -> Tensor:
     (uint8), and ``tie`` (uint8 per block).
 
     Where the decoded value does not round to ``param`` (the parameter was written and the old
-    remainder no longer fits it) the parameter's value is taken (the master-sync rule)."""
+    remainder no longer fits it; :func:`halfadam.functional.written`, the sign of a zero included)
+    the parameter's value is taken (the master-sync rule), and so it is where ``param`` is +-0, nan
+    or +-inf: a remainder over them is not kept (a zero written to the parameter, ``p.mul_(0)`` or a
+    pruning mask, is then exactly the fp32 state's zero)."""
     lane = torch.arange(BLOCK, dtype=torch.int32, device=lo.device)
     flagged = (lane == tie.view(-1, 1).to(torch.int32) - 1).view(-1)
     r = hi.to(torch.int32) * 256 + lo.to(torch.int32) + flagged.to(torch.int32) * 65536
+    p32 = param.to(torch.float32)
     if param.dtype == torch.bfloat16:
         # a stale remainder over a parameter written to +-0 can carry the pattern across the sign bit:
         # the result is then nan or of the other sign, and the check below takes the parameter
         master = (_bits(param) + r).view(torch.float32)
     else:
-        master = param.to(torch.float32) + r.to(torch.float32) * (_fp16_ulp(param) * (1.0 / 65536))
-    return torch.where(master.to(param.dtype) == param, master, param.to(torch.float32))
+        master = p32 + r.to(torch.float32) * (_fp16_ulp(param) * (1.0 / 65536))
+    return torch.where(written(param, master) | ~p32.isfinite() | (p32 == 0), p32, master)
 
 
 def _split_encode_(master: Tensor, param: Tensor, hi: Tensor, lo: Tensor, tie: Tensor) -> None:
@@ -335,6 +390,14 @@ def _split_encode_(master: Tensor, param: Tensor, hi: Tensor, lo: Tensor, tie: T
 _SALT = {"exp_avg": 0x3C6EF372, "exp_avg_sq": 0x1B873593}
 
 
+#: Codes that a block holding non-finite values (its stored absmax has the sign bit set) gives to
+#: them, by index into the moment's table (dynamic map index for ``exp_avg``, the code for
+#: ``exp_avg_sq``): values the block's finite elements then never take (they round to 0.0, or take
+#: the next level up, an error below 2**-17 of the block's absmax).
+_NONFINITE = {"exp_avg": ((128, math.inf), (126, -math.inf), (129, math.nan)),
+              "exp_avg_sq": ((1, math.inf), (2, math.nan))}
+
+
 def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tables) -> Tensor:
     q = stored[name]
     if dtype == torch.float32:
@@ -345,43 +408,73 @@ def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tab
         table, index = tables[0], (q.to(torch.int64) + _DYN_ZERO) & 255
     else:
         table, index = tables[2], q.to(torch.int64)
-    return (table[index].view(-1, BLOCK) * stored[f"{name}_absmax"].view(-1, 1)).view(-1)
+    absmax = stored[f"{name}_absmax"].view(-1, 1)
+    flagged = absmax.view(torch.int32) < 0  # the sign bit: this block holds non-finite values
+    index = index.view(-1, BLOCK)
+    values = table[index] * absmax.abs()
+    for code, special in _NONFINITE[name]:
+        values = torch.where(flagged & (index == code), special, values)
+    return values.view(-1)
 
 
 def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], tables,
                     seed: Tensor) -> None:
+    """Encode float32 ``x`` (flat; a multiple of BLOCK long for uint8) into ``stored[name]`` (and its
+    absmax), any float included: nan and +-inf decode as themselves (``exp_avg_sq``: -inf as nan)."""
     if dtype == torch.float32:
         return  # updated in place
     if dtype == torch.bfloat16:  # stochastic rounding: add 16 random bits below bf16's, truncate
-        bits = x.view(torch.int32).to(torch.int64) + (_random_bits(x, seed, _SALT[name]) >> 16)
-        truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value
+        bits = x.view(torch.int32).to(torch.int64) + (
+            _random_bits(positions(stored, x.numel(), x.device), seed, _SALT[name]) >> 16)
+        truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value (inf, nan kept)
         stored[name].copy_(truncated.to(torch.bfloat16))
         return
     blocks = x.view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1, keepdim=True)
-    y = blocks / torch.where(absmax > 0, absmax, 1.0)
+    finite = blocks.isfinite()
+    flagged = ~finite.all(dim=1, keepdim=True)  # the block holds nan or inf: reserved codes for them
+    xf = torch.where(finite, blocks, 0.0)
+    absmax = xf.abs().amax(dim=1, keepdim=True)  # over the finite values
+    y = xf / torch.where(absmax > 0, absmax, 1.0)
     if name == "exp_avg":
-        codes = (_dynamic_nearest(y, tables[0], tables[1]) - _DYN_ZERO) & 255  # stored so that code 0 is 0.0
+        index = _dynamic_nearest(y, tables[0], tables[1])
+        reserved = (index == 126) | (index == 128) | (index == 129)
+        index = torch.where(flagged & reserved, _DYN_ZERO, index)
+        index = torch.where(finite, index, torch.where(blocks == math.inf, 128,
+                                                       torch.where(blocks == -math.inf, 126, 129)))
+        codes = (index - _DYN_ZERO) & 255  # stored so that code 0 is 0.0
     else:  # log2 levels; stochastic rounding unbiased in value; nonzero never to 0
         levels = tables[2]
+        # lo: the largest code in 1..254 whose level is <= y (1 below the range), by exact comparisons
+        # with the table: log2 only estimates it (within one code: 0.09 octave), so its rounding (an
+        # eager, a compiled or the C++ kernel's log2) never changes a code
         lo = torch.floor(255 + torch.log2(y) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
+        lo = (lo + (levels[lo + 1] <= y).to(torch.int64) - (levels[lo] > y).to(torch.int64)).clamp(1, 254)
+        lo = torch.maximum(lo, torch.where(flagged, 3, 1))  # codes 1, 2 mean inf, nan in a flagged block
         v_lo, v_hi = levels[lo], levels[lo + 1]
         p = ((y - v_lo) / (v_hi - v_lo)).clamp(0, 1)
+        u = _uniform(positions(stored, x.numel(), x.device).view(-1, BLOCK), seed, _SALT[name])
         # nonzero never to 0: test the value itself (v / absmax can underflow to 0 when absmax is huge)
-        codes = torch.where(blocks > 0, lo + (_uniform(y, seed, _SALT[name]) < p).to(torch.int64), 0)
+        codes = torch.where(xf > 0, lo + (u < p).to(torch.int64), 0)
+        codes = torch.where(finite, codes, torch.where(blocks == math.inf, 1, 2))
     stored[name].copy_(codes.view(-1).to(torch.uint8))
-    stored[f"{name}_absmax"].copy_(absmax.view(-1))
+    stored[f"{name}_absmax"].copy_(torch.where(flagged, -absmax, absmax).view(-1))
 
 
 def _dynamic_nearest(y: Tensor, dyn: Tensor, decades: Tensor) -> Tensor:
     """The index (int32) of the dynamic map's value nearest to ``y`` (in [-1, 1]), computed, not searched.
 
+    The rule: for ``a = |y|``, the index ``j`` in 127..255 (the positive half) with the smallest
+    float32 distance ``|dyn[j] - a|``; an exact tie goes to the lower index (the smaller magnitude);
+    for ``y < 0`` the mirrored index ``max(254 - j, 0)``.
+
     The map's positive half is 0.0 (index 127), decade ``i`` = 0..6 at indices ``128 + 2**i - 1 + k``
     (``k`` < 2**i, value ``10**(i-6) * (0.1 + (k + 0.5) * 0.9 / 2**i)``) and 1.0 (255); the negative
     half mirrors it at ``254 - index`` (there is no -1.0). The decade and ``k`` come from
-    ``log10(|y|)``; the nearest of that index and its two neighbours is taken, which also covers the
-    decade boundaries and rounding in ``log10``. (``torch.bucketize`` gives the same codes, but
-    Inductor runs it as a separate ATen pass, 30x slower than the rest of the encoding on the CPU.)
+    ``log10(|y|)``: an index that is one of the two map values around ``a`` whatever ``log10``'s
+    rounding, also at the decade boundaries; the rule is applied to it and its two neighbours (in
+    rising order, a strict ``<``), which hold the two, so the result never depends on ``log10`` (the
+    C++ kernel finds the decade by comparisons). (A search, ``torch.bucketize``, runs in Inductor as a
+    separate ATen pass, 30x slower than the rest of the encoding on the CPU.)
     """
     a = y.abs()
     i = (torch.floor(torch.log10(a)) + 7).clamp(0, 6).to(torch.int32)  # decade i: [1e-7, 1e-6] * 10**i
@@ -389,8 +482,9 @@ def _dynamic_nearest(y: Tensor, dyn: Tensor, decades: Tensor) -> Tensor:
     k = torch.round((a / decades[i] - 0.1) * (levels / 0.9) - 0.5).clamp(min=0)
     k = torch.minimum(k, levels - 1).to(torch.int32)
     c = 127 + (1 << i) + k
-    best, best_err = c, (dyn[c] - a).abs()
-    for step in (-1, 1):
+    best = (c - 1).clamp(127, 255)  # the candidates in rising order, a strict "<": ties to the lower index
+    best_err = (dyn[best] - a).abs()
+    for step in (0, 1):
         other = (c + step).clamp(127, 255)
         err = (dyn[other] - a).abs()
         closer = err < best_err
@@ -455,7 +549,7 @@ def has_master(state: Dict[str, Tensor]) -> bool:
 
 def is_block_key(key: str) -> bool:
     """Whether state entry ``key`` is per block of BLOCK elements (else per element)."""
-    return key in BLOCK_KEYS
+    return key in BLOCK_KEYS or key == BLOCK_INDEX
 
 
 def slice_flat(stored: Dict[str, Tensor], a: int, b: int) -> Dict[str, Tensor]:
@@ -499,9 +593,12 @@ def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tenso
 
 
 def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], grad: Tensor,
-                  coefficients: tuple, step: int, *, decay: str, optimized_update: bool) -> None:
-    """:func:`encoded_update_` for one parameter and its own (not flat) state tensors."""
+                  coefficients: tuple, step: int, *, decay: str, optimized_update: bool, offset: int = 0) -> None:
+    """:func:`encoded_update_` for one parameter and its own (not flat) state tensors; ``offset``: the
+    position of its first element in the whole parameter (a shard's, :func:`halfadam._dtensor.flat_offset`)."""
     stored, flat_param = _flat_copies(fmt, param, state)
+    if fmt.stochastic:
+        stored[POSITION] = torch.arange(offset, offset + flat_param.numel(), dtype=torch.int64, device=param.device)
     with_master = has_master(state)
     if not with_master:
         stored["weight"] = flat_param.to(torch.float32)

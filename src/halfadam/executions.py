@@ -15,7 +15,8 @@ otherwise ``"fused"`` (CUDA, 8-bit moments, or no C++ compiler); ``"foreach"`` o
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
-It advances ``state["step"]``, applies the master-sync rule (:func:`halfadam.functional.sync_master_`:
+It advances ``state["step"]`` (once the update has succeeded: a step that raises leaves the counts),
+applies the master-sync rule (:func:`halfadam.functional.sync_master_`:
 an element of a parameter that no longer equals its rounded master was written by someone else, and
 the master takes that value), updates the fp32 master weights (or fp32 parameters) and moments, and
 writes every low-precision parameter back in place (``param.copy_``: round to nearest even), never
@@ -57,7 +58,8 @@ class Hyperparameters:
 
 
 def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
-                   grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat()) -> None:
+                   grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat(),
+                   offsets: Optional[List[int]] = None) -> None:
     """The readable definition: one :func:`adam_update_` call per parameter.
 
     For a parameter with a master weight the update runs on ``state["master_weight"]`` and the result
@@ -65,23 +67,24 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
     parameter itself; for a half-precision parameter whose master weights are off it runs on a
     temporary fp32 copy (the "fp32 compute, no master" baseline, which loses updates below half an ulp).
     With an encoded state (``fmt`` other than fp32) each parameter's state is decoded, updated by the
-    same equations and encoded back (:func:`halfadam.encodings.update_param_`).
+    same equations and encoded back (:func:`halfadam.encodings.update_param_`); ``offsets`` gives each
+    parameter's position in its whole tensor (a DTensor's local shard), from which random bits are drawn.
     """
     if grad_scale is not None:
         grad_scale = grad_scale.to(dtype=torch.float32).reshape(())
-    for param, grad in pairs:
+    for k, (param, grad) in enumerate(pairs):
         if grad_scale is not None:
             grad = grad.to(torch.float32) * grad_scale.to(grad.device)
         st = state[param]
-        st["step"] += 1
+        step = st["step"].item() + 1  # the step being taken; counted once its update has succeeded
         pfmt = for_param(fmt, param, encodings.has_master(st))
         if not pfmt.is_fp32:
-            step = st["step"].item()
             coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                               weight_decay=hp.weight_decay, decay=hp.decay,
                                               optimized_update=hp.optimized_update)
             update_param_(pfmt, param, st, grad, coefficients, int(step), decay=hp.decay,
-                          optimized_update=hp.optimized_update)
+                          optimized_update=hp.optimized_update, offset=offsets[k] if offsets else 0)
+            st["step"] += 1
             continue
         master = st.get("master_weight")
         compute_dtype = st["exp_avg"].dtype
@@ -93,7 +96,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
             grad.to(compute_dtype),
             st["exp_avg"],
             st["exp_avg_sq"],
-            step=st["step"].item(),
+            step=step,
             lr=hp.lr,
             beta1=hp.beta1,
             beta2=hp.beta2,
@@ -104,6 +107,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         )
         if weight is not param:
             param.copy_(weight)
+        st["step"] += 1
 
 
 # ---------------------------------------------------------------------------------------- flat paths
@@ -128,6 +132,7 @@ def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor
 
 
 _compiled_kernels: Dict[tuple, object] = {}
+_compiled_ran: set = set()  # variants that have run once (compiled) in this process
 _compile_failed: Optional[str] = None
 
 
@@ -171,9 +176,12 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
                 if t is not None:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             _get_compiled(key)(*args, **kwargs)
+            _compiled_ran.add(key)
             return
         except Exception as exc:  # no C++ compiler / Triton, unsupported backend...
-            if implementation == "fused":
+            # only a failure to compile falls back; an error of a kernel that has run is the step's
+            compiling = key not in _compiled_ran or isinstance(exc, torch._dynamo.exc.TorchDynamoException)
+            if implementation == "fused" or not compiling:
                 raise
             _compile_failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(
@@ -214,11 +222,12 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     impossible here).
     """
     device = bucket.device
-    bucket.advance_steps(None if len(items) == len(bucket.params) else [i for i, _ in items])
-    step = bucket.steps[items[0][0]]
+    subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
+    step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
     kernel = _cpp_kernel(bucket, implementation)
     if kernel is not None:
         _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
+        bucket.advance_steps(subset)
         return
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
@@ -257,6 +266,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
             stored["weight"], param = param, None
         _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, tables, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
+    bucket.advance_steps(subset)
 
 
 def _cpp_kernel(bucket: Bucket, implementation: str):

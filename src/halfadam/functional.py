@@ -28,7 +28,9 @@ weight ``w32`` and a float16/bfloat16 value ``w16``:
 master sync                  ``w32 <- w16   where  w16 != round(w32)``  (element by element)
 ==========================  =====================================================================
 
-After a step ``w16 == round(w32)`` holds everywhere (the step writes ``w16 <- round(w32)``), so an
+``!=`` there (:func:`written`) also tells the zeros apart: ``+0.0`` and ``-0.0`` differ (a parameter
+zeroed by ``p.mul_(0)`` keeps each zero's sign, as it would without a master). After a step
+``w16 == round(w32)`` holds everywhere (the step writes ``w16 <- round(w32)``), so an
 element where it fails was written by someone else since (``load_state_dict``, ``copy_``, ``.data``,
 a framework), and the step starts from that value, as it would without a master.
 """
@@ -41,7 +43,7 @@ from typing import Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_"]
+__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_", "written"]
 
 #: Accepted values of ``decay``: how weight decay enters the update (see the module docstring).
 DECAY_MODES = ("decoupled", "absolute", "l2")
@@ -81,10 +83,11 @@ def adam_update_(
         decay: one of :data:`DECAY_MODES`.
         optimized_update: add ``eps`` before bias-correcting the second moment (labml ``AdamFP16``).
 
-    With Python numbers the arithmetic follows ``torch.optim.adamw._single_tensor_adamw`` operation
-    by operation, so float32 results equal ``torch.optim.AdamW``/``Adam``'s. Numbers or tensors are
-    accepted for ``step``, ``lr`` and ``weight_decay`` so that a compiled caller can pass tensors
-    and never recompile when they change.
+    The operations are the same with Python numbers or tensors, in every execution (eager, compiled,
+    the C++ kernel): results agree bit for bit across them, and with ``torch.optim.AdamW``/``Adam`` to
+    float32 rounding (torch's eager ``lerp_``/``addcdiv_`` round differently by an ulp here and
+    there). Numbers or tensors are accepted for ``step``, ``lr`` and ``weight_decay`` so that a
+    compiled caller can pass tensors and never recompile when they change.
 
     It is two halves, also usable apart: :func:`adam_coefficients` (every scalar of the step: decay
     factor, bias corrections, step size, the betas' complements, eps) and :func:`adam_elementwise_`
@@ -171,31 +174,21 @@ def adam_elementwise_(
 ) -> None:
     """The per-element half of :func:`adam_update_`, given :func:`adam_coefficients`' scalars.
 
-    The scalars are all Python floats (the form of ``torch.optim.AdamW``, operation by operation) or
-    all 0-d float32 tensors (then none of them is a constant of a compiled kernel; the same formulas,
-    spelled with ops that take tensor scalars).
+    The scalars are all Python floats or all 0-d float32 tensors (then none of them is a constant of
+    a compiled kernel). One spelling, each operation rounded once (no fused multiply-add, a
+    correctly rounded square root), so that every execution computes the same bits:
+    ``m += (g - m) * (1 - b1)`` (lerp's formula for weights < 0.5), ``v = v * b2 + g * (1 - b2) * g``,
+    ``w -= m / d * step_size``.
     """
     if decay == "l2":
         grad = grad + l2 * param
     else:
         param.mul_(decay_factor)
-
-    if isinstance(one_minus_beta2, Tensor):
-        # lerp's own formula for weights < 0.5 (a tensor weight would make it evaluate both branches)
-        exp_avg.add_((grad - exp_avg) * one_minus_beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad * one_minus_beta2, grad)
-    else:
-        exp_avg.lerp_(grad, one_minus_beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
-
-    if optimized_update:
-        denom = exp_avg_sq.sqrt().add_(eps)
-    else:
-        denom = (exp_avg_sq.sqrt() / sqrt_bias_correction2).add_(eps)
-    if isinstance(step_size, Tensor):
-        param.sub_(exp_avg / denom * step_size)
-    else:
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+    exp_avg.add_((grad - exp_avg) * one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(grad * one_minus_beta2 * grad)
+    root = _sqrt_rounded(exp_avg_sq)
+    denom = root.add_(eps) if optimized_update else (root / sqrt_bias_correction2).add_(eps)
+    param.sub_(exp_avg / denom * step_size)
 
 
 def sync_master_(master: Tensor, param: Tensor) -> None:
@@ -218,10 +211,27 @@ def sync_master_(master: Tensor, param: Tensor) -> None:
     instead is also exact but made Inductor's CPU kernel 5x slower. Eagerly on the CPU the master
     is rewritten only when some element differs (a GPU would have to synchronise to know).
     """
-    stale = param != master.to(param.dtype)
+    stale = written(param, master)
     if not torch.compiler.is_compiling() and master.device.type == "cpu" and not bool(stale.any()):
         return  # eager on the CPU, nothing written (the usual case): skip the rewrite's three passes
     master.copy_(torch.where(stale, param.to(master.dtype), master))
+
+
+def written(param: Tensor, master: Tensor) -> Tensor:
+    """Where ``param`` is not ``round(master)`` (bool, ``param``'s shape): another value, nan on
+    either side, or a zero of the other sign (``-0.0 == 0.0`` in IEEE comparisons, but a write of
+    ``+0.0`` over a master that rounds to ``-0.0`` is a write)."""
+    rounded = master.to(param.dtype)
+    return (param != rounded) | (torch.signbit(param) != torch.signbit(rounded))
+
+
+def _sqrt_rounded(x: Tensor) -> Tensor:
+    """``sqrt(x)`` correctly rounded (IEEE), as compiled code and the C++ kernel compute it. Eager
+    float32 ``sqrt`` of torch's CPU build is not (about one input in five differs by an ulp), so
+    there it is taken in float64 and rounded once to float32 (exact: 53 >= 2 * 24 + 2 bits)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return x.double().sqrt_().float()
+    return x.sqrt()
 
 
 def _sqrt(x: Scalar) -> Scalar:

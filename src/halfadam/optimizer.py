@@ -19,7 +19,7 @@ from torch import Tensor
 from . import cpu_kernel, hyperparams
 from . import state_dict as _state_dict
 from . import encodings
-from ._dtensor import is_dtensor, local, localize
+from ._dtensor import flat_offset, is_dtensor, local, localize
 from .buckets import Bucket, bucket_key, build_buckets
 from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
 from .functional import DECAY_MODES, sync_master_
@@ -79,8 +79,9 @@ class _AdamBase(torch.optim.Optimizer):
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
         if implementation == "cpp" and not cpu_kernel.supports(self.state_format):
-            raise ValueError(f"implementation='cpp' runs the state modes fp32, split and bf16, got "
-                             f"{self.state_format.describe()}: use implementation='auto' or 'fused'")
+            raise ValueError(f"implementation='cpp' runs float32 and bfloat16 moments (the state modes fp32, split, "
+                             f"bf16 and their mixes), got {self.state_format.describe()}: use implementation='auto' "
+                             f"or 'fused'")
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
@@ -109,7 +110,7 @@ class _AdamBase(torch.optim.Optimizer):
         if not any(g["params"] for g in groups):
             raise ValueError("params holds no parameter: every parameter group is empty")
         _check_order_params(order_params, groups)
-        if self.state_format.blocked:
+        if encodings.block_keys(self.state_format, True):
             for gi, g in enumerate(groups):
                 for j, p in enumerate(g["params"]):
                     if is_dtensor(p):
@@ -262,13 +263,22 @@ class _AdamBase(torch.optim.Optimizer):
         value. The moments are moved and kept in the compute dtype; the step count stays. New
         tensors are made, never views into a previous bucket.
 
-        With an encoded state (:mod:`halfadam.encodings`) the state is decoded and encoded again for
-        the parameter's new form; after a dtype change a split master restarts from the parameter's
-        value (its remainder belonged to the old dtype).
+        With an encoded state (:mod:`halfadam.encodings`) the same rule holds: a split master is
+        decoded against the parameter's value in its old dtype (exact: the conversion was exact, or
+        rounded the master, and the remainder gives it back), the parameter follows it as above, and
+        the state is encoded again for the parameter's new form (bf16 -> fp32 loses nothing).
         """
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
-            master = param.detach().float() if old_dtype != param.dtype and "master_lo" in state else None
+            master = None
+            if old_dtype != param.dtype and "master_lo" in state:
+                old = {k: v.to(param.device) for k, v in state.items() if k != "step"}
+                p = param.detach()
+                master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
+                                                ("master_weight",))["master_weight"]
+                unwritten = p == master.to(old_dtype).to(p.dtype)
+                p.copy_(torch.where(unwritten, master.to(p.dtype), p))
+                master = torch.where(unwritten, master, p.to(torch.float32))
             new = encodings.convert_state(state, param, self._format(param, group), self._use_master(param, group),
                                           master)
             state.clear()
@@ -313,6 +323,9 @@ class _AdamBase(torch.optim.Optimizer):
             if state and not self._state_fits(param, state, group):
                 self._conform_state(param, state, group)
             loc = None if layout is None else layout.where.get(id(param))
+            if loc is not None and (param.dtype is not loc[0].dtype or param.device != loc[0].device):
+                layout = self._group_layout(group, rebuild=True)  # converted since the layout was built
+                loc = layout.where.get(id(param))
             if loc is not None:
                 if not state or not loc[0].is_attached(state, loc[1]):
                     loc[0].attach(state, loc[1])
@@ -391,7 +404,8 @@ class _AdamBase(torch.optim.Optimizer):
             else:
                 rest.extend((bucket.params[i], g) for i, g in items)
         if rest:
-            reference_step(*localize(rest, self.state), hp, grad_scale, self.state_format)
+            offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
+            reference_step(*localize(rest, self.state), hp, grad_scale, self.state_format, offsets)
 
     def _sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
                     layout: Optional["_GroupLayout"]) -> Optional[tuple]:
@@ -428,6 +442,8 @@ class _AdamBase(torch.optim.Optimizer):
         The master copy for a parameter with master weights (created from the parameter now if no step
         has run yet; elements where the parameter was changed since take its value, see
         :meth:`sync_master_weights`), or the parameter itself for a float32 parameter without one.
+        A frozen parameter (``requires_grad=False``) that never took a step has no state and gets a
+        new float32 copy of its value (no state is made for it).
 
         Raises:
             KeyError: ``param`` is not in this optimizer.
@@ -436,6 +452,8 @@ class _AdamBase(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
+                if not param.requires_grad and not self.state.get(param) and self._use_master(param, group):
+                    return param.detach().to(torch.float32, copy=True)  # frozen, never stepped: no state made
                 master = self._synced_master(param, group)
                 if master is not None:
                     return master
@@ -527,7 +545,9 @@ class _AdamBase(torch.optim.Optimizer):
                 so the fused kernel unscales as it reads them: no unscaled copy is written.
 
         Every gradient, key and scheduled hyperparameter is checked before any state changes: a call
-        that raises leaves parameters, state and ``global_step`` as they were. Each parameter that
+        that raises leaves parameters, state and ``global_step`` as they were. (Should a kernel still
+        fail inside the update, the step counts, ``global_step`` and the scheduled values do not
+        move; buckets updated before the failure keep their new values.) Each parameter that
         has a master weight first applies the master-sync rule (:meth:`sync_master_weights`), so a
         value written to it since the last step is where this step starts. Afterwards
         ``group["lr"]`` and ``group["weight_decay"]`` hold the values of the coming step when they
@@ -580,6 +600,7 @@ class _AdamBase(torch.optim.Optimizer):
                 hp = Hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=weight_decay,
                                      decay=group["decay"], optimized_update=group["optimized_update"])
                 self._run_group(group, pairs, hp, grad_scale)
+        for group, lr, weight_decay, after, pairs in plan:  # the schedules move once every group has stepped
             group["global_step"] += 1
             group.update((k, v) for k, v in after.items() if v is not None)
             self._written[id(group)] = (group["lr"], group["weight_decay"])
@@ -668,26 +689,21 @@ def _resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
 _STATE_FORMAT_KEYS = ("state_mode", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
 #: Group keys beyond the hyperparameters: metadata that torch and its schedulers write into groups.
 _METADATA_GROUP_KEYS = ("param_names", "initial_lr", "name")
-#: torch.optim.AdamW's group flags: accepted only at the value that means "off" (what halfadam does).
-_TORCH_FLAGS_OFF = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
-                    "foreach": None, "fused": None}
-#: Every key a group may hold (``global_step`` and the schedules appear in groups saved or copied
-#: from a halfadam optimizer, e.g. by ZeroRedundancyOptimizer).
-_GROUP_KEYS = frozenset(("params", "lr", "lr_schedule", "betas", "eps", "weight_decay", "weight_decay_schedule",
-                         "decay", "optimized_update", "master_weights", "global_step")
-                        + _METADATA_GROUP_KEYS + tuple(_TORCH_FLAGS_OFF))
+#: torch.optim.AdamW's group flags and the values that mean "off" (what halfadam does); any other
+#: value asks for an algorithm or kernel halfadam does not implement. Other keys a group holds are the
+#: user's (timm's ``lr_scale``, a ``layer_id``...): kept untouched, as torch keeps them.
+_TORCH_FLAGS_OFF = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,), "differentiable": (False,),
+                    "foreach": (None, False), "fused": (None, False)}
 
 
 def _check_group_keys(group: Dict[str, Any], where: str) -> None:
-    """Reject unknown keys, torch flags halfadam does not implement, and flags of the wrong type."""
-    unknown = sorted(str(k) for k in group if k not in _GROUP_KEYS)
-    if unknown:
-        raise ValueError(f"{where} has unknown key(s) {unknown}; a group may hold {sorted(_GROUP_KEYS)}")
+    """Reject torch flags halfadam does not implement, and halfadam's own keys of the wrong type."""
     for key, off in _TORCH_FLAGS_OFF.items():
-        if key in group and group[key] is not off and group[key] != off:
+        if key in group and not any(group[key] is v for v in off):
             hint = " (choose the execution with implementation=...)" if key in ("foreach", "fused") else ""
+            accepted = " or ".join(repr(v) for v in off)
             raise ValueError(f"{where}['{key}']={group[key]!r} is not supported by halfadam{hint}; only "
-                             f"{off!r} is accepted")
+                             f"{accepted} is accepted")
     if "master_weights" in group and group["master_weights"] is not None and not isinstance(
             group["master_weights"], bool):
         raise TypeError(f"{where}['master_weights'] must be None, True or False, got {group['master_weights']!r}")
@@ -849,10 +865,11 @@ class AdamW(_AdamBase):
             pairs (``model.named_parameters()``; the names are kept in ``group["param_names"]``, as
             torch does) or of dicts (parameter groups with ``params`` and optionally
             ``lr``/``learning_rate``, ``betas``, ``eps``, ``weight_decay``, ``decay``,
-            ``optimized_update``, ``master_weights``, torch's metadata keys ``param_names``,
-            ``initial_lr``, ``name``, and torch.optim.AdamW's flags at their off value
-            (``amsgrad=False``, ``maximize=False``, ``foreach=None``, ``fused=None``,
-            ``capturable=False``, ``differentiable=False``)); one dict may instead hold
+            ``optimized_update``, ``master_weights``, and torch.optim.AdamW's flags at their off value
+            (``amsgrad=False``, ``maximize=False``, ``foreach`` and ``fused`` None or False,
+            ``capturable=False``, ``differentiable=False``); any other key is the user's metadata
+            (``param_names``, ``initial_lr``, timm's ``lr_scale``...) and is kept untouched, as
+            torch keeps it); one dict may instead hold
             ``order_params``, the parameters in the order the optimizer stores and iterates them
             (exactly the groups' parameters, each once); its other keys are ignored. Each parameter
             may appear once.
@@ -868,15 +885,18 @@ class AdamW(_AdamBase):
         learning_rate: the same as ``lr`` (mindformers' name); giving both is a TypeError.
         master_weights: ``None`` (default): on for float16/bfloat16 parameters, off for float32;
             ``True``/``False`` force it.
-        implementation: how a step runs; every choice gives the same result to float32 rounding.
-            ``"reference"``: one :func:`halfadam.functional.adam_update_` call per parameter (the
-            readable definition). ``"foreach"``: the same math run eagerly over flat fp32 buffers,
-            one op per bucket (group, device, dtype). ``"fused"``: that function compiled by
-            ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on CUDA; the
-            first step compiles, later processes reuse Inductor's cache). ``"auto"`` (default):
-            fused, or foreach (with a one-time warning) where compiling fails. Parameters without a
-            gradient leave gaps in the flat step; buckets whose step counts differ take the reference
-            path that step.
+        implementation: how a step runs; every choice computes the same bits (README,
+            "Implementations"). ``"reference"``: one :func:`halfadam.functional.adam_update_` call per
+            parameter (the readable definition). ``"foreach"``: the same math run eagerly over flat
+            fp32 buffers, one op per bucket (group, device, dtype). ``"fused"``: that function
+            compiled by ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on
+            CUDA; the first step compiles, later processes reuse Inductor's cache). ``"cpp"``: a
+            hand-written C++ CPU kernel (:mod:`halfadam.cpu_kernel`, built on first use), one call
+            per bucket over the parameters' own storage, for float32/bfloat16 moments. ``"auto"``
+            (default): cpp for CPU parameters where it applies and builds, else fused, or foreach
+            (with a one-time warning) where compiling fails. Parameters without a gradient leave
+            gaps in the flat step; buckets whose step counts differ take the reference path that
+            step.
         state_mode: how the state is stored (:mod:`halfadam.encodings`), per fp16/bf16 parameter:
             ``"fp32"`` (default: fp32 master, ``exp_avg``, ``exp_avg_sq``; 12 B), ``"split"`` (the
             master as the parameter plus a 16-bit remainder: bf16 training bit for bit the same;
@@ -901,8 +921,8 @@ class AdamW(_AdamBase):
             ``expand()``-ed parameter (elements sharing memory); ``implementation`` not one of the
             four; lr or weight_decay negative; a beta outside (0.0, 1.0); eps <= 0; nan or inf in any
             of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
-            the meta device; an unknown group key or a torch flag halfadam does not implement
-            (``maximize=True``, ``amsgrad=True``...); bad ``order_params``; an unknown ``state_mode``
+            the meta device; a torch flag halfadam does not implement (``maximize=True``,
+            ``amsgrad=True``, ``fused=True``...); bad ``order_params``; an unknown ``state_mode``
             or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter with
             split masters or uint8 moments (per-block state).
     """

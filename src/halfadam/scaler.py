@@ -5,8 +5,9 @@ Training", ICLR 2018, section 3.2: scale the loss so small gradients survive flo
 the update, skip steps whose gradients overflowed and lower the scale; raise it after
 ``growth_interval`` clean steps). The difference is the hand-over to halfadam optimizers: gradients
 are unscaled into float32 tensors that the optimizer consumes directly (``optimizer.step(grads=...)``),
-so a gradient that is 1e-8 after unscaling survives instead of flushing to zero in float16. For any
-other optimizer it unscales ``param.grad`` in place, as torch does.
+so a gradient that is 1e-8 after unscaling survives instead of flushing to zero in float16, while
+``param.grad`` gets the unscaled values too, so that clipping or rescaling it between ``unscale_``
+and ``step`` takes effect. For any other optimizer it unscales ``param.grad`` in place, as torch does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from .distributed import AUTO, all_reduce_found_inf, halfadam_optimizer, local, total_norm, zero_process_group
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "Float16GradWarning"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
@@ -115,6 +116,58 @@ def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Ten
         found_inf.copy_(torch.maximum(found_inf, local_inf.to(found_inf.device)))
 
 
+_HALF = (torch.float16, torch.bfloat16)
+#: :func:`_unchanged` compares CPU tensors in chunks of this many elements (the first one smaller), so
+#: a gradient changed near its start (any rescale, a clip) is found without a full pass.
+_CHUNK = 1 << 20
+
+
+class Float16GradWarning(UserWarning):
+    """A float16 ``param.grad`` changed after :meth:`GradScaler.unscale_` is used as written, in float16.
+
+    Shown once per :class:`GradScaler`. The step takes the change exactly, but the values are float16:
+    an unscaled gradient below about 6e-8 is 0 there and one below 6.1e-5 keeps fewer than 11 bits.
+    ``scaler.clip_grad_norm_(optimizer, max_norm)`` or ``GradScaler(max_grad_norm=...)`` clip the float32
+    copies instead. Filter it with ``warnings.filterwarnings("ignore", category=Float16GradWarning)``.
+    """
+
+
+def _int_view(t: Tensor) -> Tensor:
+    """``t`` (float16/bfloat16) viewed as int16: equal views mean equal bits (nan, -0.0 included)."""
+    return t.view(torch.int16)
+
+
+def _unchanged(pairs: List[Tuple[Tensor, Tensor]]) -> List[bool]:
+    """For each ``(grad, copy)``: whether ``grad`` still holds ``copy`` rounded to its dtype, bit for bit.
+
+    ``grad`` is a float16/bfloat16 tensor, ``copy`` the float32 tensor written into it (both local
+    shards). A different shape or device counts as changed. On the CPU each pair is compared in
+    chunks, stopping at the first difference (a rescaled or clipped gradient usually costs a few
+    thousand elements); elsewhere one flag per pair is computed on its device and read back with
+    one synchronization per device.
+    """
+    result: List[Optional[bool]] = [None] * len(pairs)
+    pending: Dict[torch.device, List[Tuple[int, Tensor]]] = defaultdict(list)
+    for i, (grad, copy) in enumerate(pairs):
+        if grad.shape != copy.shape or grad.device != copy.device or grad.dtype not in _HALF:
+            result[i] = False
+        elif grad.device.type == "cpu" and grad.is_contiguous() and copy.is_contiguous():
+            flat_g, flat_c, n = grad.reshape(-1), copy.reshape(-1), grad.numel()
+            start, size, same = 0, 4096, True
+            while same and start < n:
+                stop = min(n, start + size)
+                same = torch.equal(_int_view(flat_g[start:stop]), _int_view(flat_c[start:stop].to(grad.dtype)))
+                start, size = stop, _CHUNK
+            result[i] = same
+        else:
+            differs = (_int_view(grad) != _int_view(copy.to(grad.dtype))).any()
+            pending[grad.device].append((i, differs))
+    for items in pending.values():
+        for (i, _), flag in zip(items, torch.stack([d for _, d in items]).tolist()):
+            result[i] = not flag
+    return result  # type: ignore[return-value]
+
+
 class GradScaler:
     """Dynamic loss scaling for float16 (and bfloat16) training, on CPU and CUDA.
 
@@ -160,9 +213,14 @@ class GradScaler:
 
     With a halfadam optimizer (:class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``), :meth:`unscale_`
     writes unscaled float32 gradients into new tensors (float16/bfloat16 gradients) or in place
-    (float32 gradients) and :meth:`step` passes them as ``optimizer.step(grads=...)``; ``param.grad``
-    of a float16 parameter keeps its scaled value. If any gradient holds inf or nan, :meth:`step`
-    does not call the optimizer: parameters, master weights, moments and step counts stay bit-for-bit
+    (float32 gradients) and :meth:`step` passes them as ``optimizer.step(grads=...)``. It also writes
+    the unscaled values into a half ``param.grad`` (rounded), as torch does, so code between
+    ``unscale_`` and ``step`` sees real gradients, and whatever it does to ``.grad`` takes effect
+    (see :meth:`step`): ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` clips. With
+    float16 parameters, :meth:`clip_grad_norm_` (or ``max_grad_norm``) is the precise way: it clips
+    the float32 copies, while an edited float16 ``.grad`` is used with float16's precision (unscaled
+    gradients below about 6e-8 are 0 there). If any gradient holds inf or nan, :meth:`step` does not
+    call the optimizer: parameters, master weights, moments and step counts stay bit-for-bit
     unchanged, and :meth:`update` multiplies the scale by ``backoff_factor``.
 
     The scale's floor: unlike torch.amp.GradScaler, whose scale reaches 0.0 after about 150
@@ -219,6 +277,7 @@ class GradScaler:
         self._init_growth_tracker = 0
         self._overflow_streak, self._streak_warned = 0, False  # consecutive overflows, for the warning
         self._per_optimizer: Dict[int, Dict[str, Any]] = {}
+        self._fp16_edit_warned = False  # the one-time Float16GradWarning (see step)
 
     # ------------------------------------------------------------------ scale
     def is_enabled(self) -> bool:
@@ -269,15 +328,39 @@ class GradScaler:
     # ------------------------------------------------------------------ unscale / step
     def _opt_state(self, optimizer: Any) -> Dict[str, Any]:
         return self._per_optimizer.setdefault(
-            id(optimizer), {"stage": _READY, "found_inf": None, "grads": None, "shard_group": None})
+            id(optimizer), {"stage": _READY, "found_inf": None, "grads": None, "shard_group": None,
+                            "seen": None, "watched": None})
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the loss scale and record whether any is inf/nan.
 
-        For a halfadam optimizer the unscaled float32 gradients are kept for :meth:`step`; for any
-        other optimizer ``param.grad`` is unscaled in place (float16 gradients raise ValueError, as
-        torch's scaler does: they would flush to zero; use a halfadam optimizer).
+        Afterwards ``param.grad`` holds the unscaled gradient, as with torch.amp.GradScaler, so code
+        between ``unscale_`` and :meth:`step` sees real gradients (logging a norm,
+        ``torch.nn.utils.clip_grad_norm_``, a custom rescale, zeroing a layer's gradient). Only
+        parameters whose ``.grad`` is not ``None`` are unscaled and checked.
+
+        With a halfadam optimizer, a float16/bfloat16 gradient is unscaled into a new float32 tensor
+        (of the gradient's shape), which :meth:`step` hands to the optimizer, and the unscaled
+        values, rounded to the gradient's dtype, are written into ``param.grad`` in place (in float16
+        an unscaled gradient below about 6e-8 is 0, below 6.1e-5 it loses bits; the float32 copy keeps
+        them). A float32/float64 gradient is unscaled in place and is itself what the optimizer uses.
+        Changes to ``.grad`` made before :meth:`step` take effect: see :meth:`step`. Under a
+        ZeroRedundancyOptimizer only this rank's shard gets float32 copies and is checked; the other
+        gradients are unscaled in place (so ``.grad`` holds one scale throughout).
+
+        For any other optimizer ``param.grad`` is unscaled in place.
+
+        Raises:
+            ValueError: a float16 gradient with an optimizer that is not halfadam's (as torch's
+                scaler: it would flush to zero; use a halfadam optimizer).
+            RuntimeError: ``unscale_`` already called since the last :meth:`update`, called after
+                :meth:`step`, or before any :meth:`scale` (no loss scale yet).
         """
+        self._unscale(optimizer, write_back=True)
+
+    def _unscale(self, optimizer: Any, write_back: bool) -> None:
+        """:meth:`unscale_`; ``write_back=False`` (from :meth:`step`, with no user code before the
+        optimizer runs) leaves a half ``.grad`` scaled and does not watch for changes."""
         if not self._enabled:
             return
         st = self._opt_state(optimizer)
@@ -295,15 +378,23 @@ class GradScaler:
         # always agree over its process group, and only this rank's shard is unscaled into fp32.
         zero_group = zero_process_group(optimizer)
         if inner is not None:
+            watched = [p for g in (optimizer if zero_group is None else inner).param_groups for p in g["params"]]
             if zero_group is not None:
-                params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+                others = params
+                params = [p for p in watched if p.grad is not None]
             grads = {p: p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float() for p in params}
             _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
             st["grads"] = grads
             st["shard_group"] = zero_group
-            # .grad of a half parameter keeps its scaled value; remember its version to catch code
-            # that changes it after this point (it would have no effect).
-            st["versions"] = [(p.grad, p.grad._version) for p, g in grads.items() if g is not p.grad]
+            if write_back:
+                # .grad of a half parameter gets the unscaled values (rounded); step() compares it
+                # with them to find the gradients that user code changed (see _adopt_grad_edits).
+                st["seen"], st["watched"] = {p: p.grad for p in params}, watched
+                self._write_back(st)
+                if zero_group is not None:  # other ranks' shards: only so that .grad has one scale
+                    rest = [p.grad for p in others if p not in grads]
+                    if rest:
+                        _unscale_and_check_(rest, inv_scale, torch.zeros_like(found_inf))
         else:
             for p in params:
                 if p.grad.dtype == torch.float16:
@@ -317,6 +408,66 @@ class GradScaler:
         st["found_inf"] = found_inf
         st["stage"] = _UNSCALED
 
+    @staticmethod
+    def _write_back(st: Dict[str, Any]) -> None:
+        """Copy each float32 gradient into the half ``.grad`` it was made from (rounded to its dtype)."""
+        seen = st["seen"]
+        for p, g in st["grads"].items():
+            if g is not seen[p]:
+                local(seen[p]).copy_(local(g))
+
+    def _adopt_grad_edits(self, st: Dict[str, Any]) -> bool:
+        """Make what user code did to ``.grad`` since :meth:`unscale_` the gradients :meth:`step` uses.
+
+        Per watched parameter: ``.grad`` set to ``None``: skipped; a new tensor, or a gradient where
+        there was none: that tensor; the same half tensor whose bits differ anywhere from the float32
+        copy rounded to its dtype (an in-place change, through any API: the check is on values, so
+        ``torch.nn.utils.clip_grad_norm_`` with a coefficient of exactly 1.0 changes nothing): that
+        tensor. An adopted float16/bfloat16 gradient becomes a new float32 copy of its values (exact),
+        any other one is used itself. Untouched parameters keep their exact float32 copies. A no-op
+        unless the user called :meth:`unscale_` (``st["seen"]`` set).
+
+        Returns whether a float16 gradient holding a nonzero value was adopted (for the one-time
+        :class:`Float16GradWarning`; only checked until it was shown).
+        """
+        seen = st.get("seen")
+        if seen is None:
+            return False
+        grads = st["grads"]
+        adopt, compare = [], []
+        for p in st["watched"]:
+            cur, old = p.grad, seen.get(p)
+            if old is None:
+                if cur is not None:
+                    adopt.append(p)
+            elif cur is None:
+                del grads[p], seen[p]
+            elif cur is not old:
+                adopt.append(p)
+            elif grads[p] is not cur:  # a half .grad next to its float32 copy
+                compare.append(p)
+        if compare:
+            same = _unchanged([(local(seen[p]), local(grads[p])) for p in compare])
+            adopt += [p for p, unchanged in zip(compare, same) if not unchanged]
+        fp16_edit = False
+        for p in adopt:
+            cur = p.grad
+            grads[p] = cur.float() if cur.dtype in _HALF else cur
+            seen[p] = cur
+            if cur.dtype == torch.float16 and not self._fp16_edit_warned and not fp16_edit:
+                fp16_edit = bool(local(cur).any())
+        return fp16_edit
+
+    def _warn_fp16_edit(self) -> None:
+        """The one-time :class:`Float16GradWarning` (stack level: the caller of the public method)."""
+        self._fp16_edit_warned = True
+        warnings.warn(
+            "param.grad of a float16 parameter was changed after scaler.unscale_() (for example by "
+            "torch.nn.utils.clip_grad_norm_ on the model's parameters): the step uses it as written, "
+            "in float16, where an unscaled gradient below about 6e-8 is 0 and one below 6.1e-5 loses "
+            "precision. scaler.clip_grad_norm_(optimizer, max_norm) or GradScaler(max_grad_norm=...) "
+            "clips the float32 gradients instead. (Shown once.)", Float16GradWarning, stacklevel=3)
+
     def _grads(self, optimizer: Any) -> List[Tensor]:
         st = self._opt_state(optimizer)
         if st["grads"] is not None:
@@ -327,13 +478,15 @@ class GradScaler:
         """Clip the unscaled gradients of ``optimizer`` to a total norm of at most ``max_norm``.
 
         Calls :meth:`unscale_` first if needed. The norm is computed over the gradients the optimizer
-        will use (for halfadam optimizers the unscaled float32 ones, which
-        ``torch.nn.utils.clip_grad_norm_`` on the model's parameters would not see), accumulated in
-        float64 so that large finite gradients cannot overflow it. Returns the total norm before
-        clipping as a 0-d float32 tensor (inf/nan if a gradient overflowed; that step is skipped anyway).
-        For sharded (``DTensor``, FSDP2) gradients the norm is that of the whole gradients, reduced
-        across ranks; under a ZeroRedundancyOptimizer the norms of the ranks' shards are combined
-        over its process group; replicated (DDP) gradients give the global norm locally.
+        will use: for halfadam optimizers the unscaled float32 ones (changes made to ``.grad`` since
+        :meth:`unscale_` included, see :meth:`step`), accumulated in float64 so that large finite
+        gradients cannot overflow it. They are multiplied by ``min(1, max_norm / (norm + 1e-6))`` in
+        float32, and the clipped values are written into a half ``.grad`` too (rounded), so ``.grad``
+        shows what the step uses. Returns the total norm before clipping as a 0-d float32 tensor
+        (inf/nan if a gradient overflowed; that step is skipped anyway). For sharded (``DTensor``,
+        FSDP2) gradients the norm is that of the whole gradients, reduced across ranks; under a
+        ZeroRedundancyOptimizer the norms of the ranks' shards are combined over its process group
+        (only this rank's shard is clipped); replicated (DDP) gradients give the global norm locally.
 
         Raises:
             TypeError: ``max_norm`` or ``norm_type`` is not a real number (a bool is not).
@@ -345,6 +498,8 @@ class GradScaler:
         if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
             self.unscale_(optimizer)
         st = self._opt_state(optimizer)
+        if self._adopt_grad_edits(st):
+            self._warn_fp16_edit()
         grads = self._grads(optimizer)
         shard_group = st["shard_group"] if st["grads"] is not None else None  # ZeRO: this rank's shard
         if not grads and shard_group is None:
@@ -354,12 +509,32 @@ class GradScaler:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in map(local, grads):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        if st.get("seen") is not None:
+            self._write_back(st)
         return total.float()
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and call ``optimizer.step`` unless a gradient is inf/nan.
 
+        Whether to skip is decided by the inf/nan check of :meth:`unscale_` (or of this call, which
+        unscales itself, or with a halfadam optimizer checks the scaled gradients in one fused norm
+        pass, see the class docstring). With ``max_grad_norm`` the gradients are clipped first.
+
+        After an explicit :meth:`unscale_` with a halfadam optimizer, what user code did to
+        ``param.grad`` since then takes effect, exactly: a parameter whose ``.grad`` was set to
+        ``None`` is skipped (as torch optimizers do); one whose ``.grad`` was replaced, newly set, or
+        changed in place anywhere (through any API, ``.data`` included; detected by comparing bits
+        with the unscaled values ``unscale_`` wrote) is updated with that ``.grad`` as written (in its
+        dtype, so a float16 one has float16 precision; the first such float16 change warns once, with
+        :class:`Float16GradWarning`); every other parameter is updated with its exact float32 copy, so
+        a call that changes nothing (e.g. ``torch.nn.utils.clip_grad_norm_`` whose coefficient is
+        1.0) gives bit-for-bit the step without it. Changes are not re-checked for inf/nan.
+
         Returns what ``optimizer.step`` returned, or ``None`` if the step was skipped.
+
+        Raises:
+            RuntimeError: ``step`` called twice without :meth:`update`; a ``closure`` keyword
+                (unsupported, as in torch).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -370,24 +545,22 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if st["stage"] is _READY and halfadam_optimizer(optimizer) is optimizer and self._scale is not None:
             return self._fused_step(optimizer, st, *args, **kwargs)
+        fp16_edit = False
         if st["stage"] is _READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer, write_back=False)
+        else:
+            fp16_edit = self._adopt_grad_edits(st)
         if self._max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
-        if any(grad._version != version for grad, version in st.get("versions", ())):
-            warnings.warn(
-                "param.grad of a float16/bfloat16 parameter was modified after scaler.unscale_() (for "
-                "example by torch.nn.utils.clip_grad_norm_ on the model's parameters). The halfadam "
-                "optimizer uses the unscaled float32 gradients made by unscale_(), so that change has no "
-                "effect: clip with scaler.clip_grad_norm_(optimizer, max_norm) or "
-                "GradScaler(max_grad_norm=...) instead.", UserWarning, stacklevel=2)
         if st["found_inf"].item() == 0.0:
+            if fp16_edit:  # said when a step uses it (a skipped step's nan from a clip is no news)
+                self._warn_fp16_edit()
             if st["grads"] is not None:
                 result = optimizer.step(*args, grads=st["grads"], **kwargs)
             else:
                 result = optimizer.step(*args, **kwargs)
-        st["grads"] = None
+        st["grads"] = st["seen"] = st["watched"] = None
         st["stage"] = _STEPPED
         return result
 

@@ -7,7 +7,8 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        "master_weight": float32 tensor (only where the parameter has one),
                        "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
                        # other state modes store their encodings instead (halfadam.encodings):
-                       # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master),
+                       # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master,
+                       #   with "remainder_dtype": the parameter dtype its remainders are over),
                        # bfloat16 moments, or uint8 moments + "exp_avg_absmax"/"exp_avg_sq_absmax"
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
@@ -223,7 +224,22 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         packed["param_groups"] = [
             {k: encode_schedule(v) if k in _SCHEDULE_KEYS else v for k, v in group.items()}
             for group in packed["param_groups"]]
+        state = packed.get("state")
+        for group, saved in zip(optimizer.param_groups, packed["param_groups"]):
+            for p, pid in zip(group["params"], saved.get("params", ())):
+                st = state.get(pid) if isinstance(state, dict) else None
+                if isinstance(st, Mapping) and "master_lo" in st:  # a new dict: the live state stays as it is
+                    state[pid] = {**st, REMAINDER_DTYPE: _dtype_name(p.dtype)}
     return packed
+
+
+#: The state_dict key (a string, per parameter with a split master) naming the parameter dtype its
+#: remainders are in units of ("float16" or "bfloat16"): they mean nothing over another dtype.
+REMAINDER_DTYPE = "remainder_dtype"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -400,6 +416,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         group = new_groups[gi]
         compute = torch.float64 if p.dtype == torch.float64 else torch.float32
         use_master = optimizer._use_master(p, group)  # type: ignore[attr-defined]
+        saved = dict(saved)
+        remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
         allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS} if kind == "halfadam"
                    else {"step", "exp_avg", "exp_avg_sq"})
         unexpected = sorted(set(saved) - allowed)
@@ -428,6 +446,12 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
                 raise CheckpointError(f"{where}: the checkpoint has a split master (master_hi, master_lo), which needs a "
                                       f"float16/bfloat16 parameter")
+            if fmt.master == "split" and remainder_dtype not in (None, _dtype_name(p.dtype)):
+                raise CheckpointError(
+                    f"{where}: the checkpoint's split master holds remainders over a {remainder_dtype} parameter; "
+                    f"over this {_dtype_name(p.dtype)} one they mean another master. Load it with the model in "
+                    f"{remainder_dtype} and convert the model after (the optimizer keeps the master across dtype "
+                    f"changes), or save the fp32 masters with master_state_dict")
         expected = encodings.element_keys(fmt, has_master)
         blocks = encodings.block_keys(fmt, has_master)
         extra = sorted(k for k in set(saved) - {"step"} if k not in expected and k not in blocks)
@@ -469,9 +493,15 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         steps_per_group.setdefault(gi, []).append(step)
         plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild, fmt))
 
-    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most
-        for gi, steps in steps_per_group.items():
-            plan.groups[gi]["global_step"] = int(max(steps))
+    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most (0: none)
+        for gi, group in enumerate(plan.groups):
+            group["global_step"] = int(max(steps_per_group.get(gi, [0])))
+    dropped = [index for pid, (p, gi, j, index) in slots.items()
+               if pid not in saved_state and optimizer.state.get(p)]
+    if dropped:
+        plan.warnings.append(
+            f"parameter(s) {dropped[:10]}{'...' if len(dropped) > 10 else ''} have no state in the checkpoint (a "
+            f"parameter that never took a step there): their moments and step counts are reset, as torch.optim does")
     for gi, group in enumerate(plan.groups):
         for key in _SCHEDULE_KEYS:
             schedule = group.get(key)

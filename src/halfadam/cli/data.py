@@ -87,7 +87,10 @@ class CharCorpus:
         return len(self.vocab) + 1
 
     def sample_plan(self, steps: int, batch_size: int, seed: int) -> torch.Tensor:
-        """Window start offsets into the training tokens for every step: a ``(steps, batch_size)`` tensor."""
+        """Window start offsets into the training tokens for every step: a ``(steps, batch_size)`` tensor.
+
+        A longer plan begins with the shorter one (``--resume`` extends runs on that).
+        """
         gen = torch.Generator().manual_seed(seed)
         high = len(self.train_tokens) - self.seq_len
         return torch.randint(0, high, (steps, batch_size), generator=gen)
@@ -213,7 +216,10 @@ class DigitsData:
     num_classes = 10
 
     def sample_plan(self, steps: int, batch_size: int, seed: int) -> torch.Tensor:
-        """Training example indices for every step: a ``(steps, batch_size)`` tensor."""
+        """Training example indices for every step: a ``(steps, batch_size)`` tensor.
+
+        A longer plan begins with the shorter one (``--resume`` extends runs on that).
+        """
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(0, len(self.train_x), (steps, batch_size), generator=gen)
 

@@ -42,7 +42,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -140,7 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def per_task(key: str) -> str:
         return "default: " + ", ".join(f"{task} {TASK_DEFAULTS[task][key]:g}" for task in TASKS)
 
-    parser.add_argument("--steps", type=_positive_int, help=f"training steps per mode ({per_task('steps')})")
+    parser.add_argument("--steps", type=_positive_int,
+                        help=f"training steps per mode ({per_task('steps')}); with --resume, a larger value than "
+                             f"the checkpoint's extends its run")
     parser.add_argument("--batch-size", type=_positive_int,
                         help=f"sequences/examples per step ({per_task('batch_size')})")
     parser.add_argument("--lr", type=_positive_float, help=f"(peak) learning rate ({per_task('lr')})")
@@ -167,12 +169,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--save", metavar="DIR",
                         help="checkpoint each mode to DIR/<mode>.pt (atomically: a run killed mid-save keeps the "
-                             "previous checkpoint) at the end and every --save-every steps")
+                             "previous checkpoint) at the end and every --save-every steps; DIR is created and "
+                             "checked for writing before training starts")
     parser.add_argument("--save-every", type=_positive_int, metavar="N",
                         help="with --save, also checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", metavar="DIR",
-                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options; a "
-                             "mode without a checkpoint yet (the run stopped before it) starts from scratch")
+                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options, "
+                             "except that a larger --steps extends the run (--eval-every and --warmup-steps may then "
+                             "differ too) as long as the steps already taken keep their learning rates: always with "
+                             "--lr-schedule constant; with cosine, whose decay spans --steps, only for a run stopped "
+                             "before its decay began (same --warmup-steps), else it is refused. The validation losses "
+                             "recorded so far stay. A mode without a checkpoint yet (the run stopped before it) "
+                             "starts from scratch. Every checkpoint is checked before training starts")
     parser.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                         help="train data-parallel in N processes on this machine (DDP over gloo, CPU only; "
                              "default 1). Each process takes 1/N of every batch, so --batch-size must be "
@@ -363,6 +371,9 @@ def _lr_schedule(cfg: TrainConfig):
 
 #: Options that may differ between a run and its --resume (all others must match).
 _RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers")
+#: Options that may also differ when --resume extends a run to more --steps (their defaults follow --steps;
+#: _check_resumed_options requires the steps already taken to keep their learning rates).
+_EXTEND_FREE = ("steps", "warmup_steps", "eval_every")
 
 
 def _run_identity(cfg: TrainConfig) -> dict:
@@ -393,19 +404,67 @@ def _resume_path(cfg: TrainConfig, name: str) -> Path:
 def _check_resume(cfg: TrainConfig) -> list[str]:
     """The modes of ``cfg`` that --resume starts from scratch (no checkpoint yet: the run stopped before them).
 
-    Raises CLIError when no mode has a checkpoint (the wrong directory?).
+    Reads every other mode's checkpoint and checks its options (:func:`_check_resumed_options`), so that a
+    bad one is refused before any mode trains. Raises CLIError for that, or when no mode has a checkpoint
+    (the wrong directory?).
     """
-    fresh = [name for name in cfg.modes if not _resume_path(cfg, name).is_file()]
+    from halfadam.checkpoint import CheckpointError, load_checkpoint
+
+    fresh = []
+    for name in cfg.modes:
+        path = _resume_path(cfg, name)
+        if not path.is_file():
+            fresh.append(name)
+            continue
+        try:
+            entries = load_checkpoint(path)  # read and verified; loaded into nothing
+        except CheckpointError as exc:
+            raise CLIError(f"--resume: {exc}") from None
+        _check_resumed_options(cfg, path, entries)
     if fresh == cfg.modes:
         raise CLIError(f"--resume: no checkpoint at {_resume_path(cfg, '<mode>')} for any of --modes "
                        f"{','.join(cfg.modes)}")
     return fresh
 
 
+def _check_resumed_options(cfg: TrainConfig, path: Path, entries: dict) -> None:
+    """Raise CLIError unless the checkpoint ``entries`` (of ``path``) can continue under ``cfg``.
+
+    Its options must be ``cfg``'s (:data:`_RESUME_FREE` aside), except that ``cfg`` may have more
+    ``steps`` (then also other :data:`_EXTEND_FREE`): the run is extended, which is sound only if the
+    steps already taken are those an uninterrupted run with ``cfg`` takes. The batches are (a longer
+    plan begins with the shorter one) and the model and optimizer options match; the learning rates
+    must match too, which a cosine schedule's decay, laid out over ``steps``, breaks.
+    """
+    saved = entries.get("config")
+    if not isinstance(saved, dict) or not isinstance(entries.get("history"), dict) or "rng" not in entries:
+        raise CLIError(f"--resume {path}: a halfadam checkpoint, but not one written by halfadam train --save")
+    ours = _run_identity(cfg)
+    longer = isinstance(saved.get("steps"), int) and cfg.steps > saved["steps"]
+    free = _EXTEND_FREE if longer else ()
+    diff = sorted(k for k in set(ours) | set(saved) if k not in free and saved.get(k) != ours.get(k))
+    if diff:
+        fewer = f"; --steps can only grow from its {saved['steps']}" if "steps" in diff else ""
+        raise CLIError(f"--resume {path}: written with other options "
+                       f"({', '.join('--' + k.replace('_', '-') for k in diff)}){fewer}")
+    if not longer:
+        return
+    done = len(entries["history"].get("train_loss", ()))
+    before = _lr_schedule(replace(cfg, steps=saved["steps"], warmup_steps=saved.get("warmup_steps", cfg.warmup_steps)))
+    after = _lr_schedule(cfg)
+    if any(before(t) != after(t) for t in range(done)):
+        raise CLIError(f"--resume {path}: --steps {cfg.steps} changes the learning rates of the {done} steps "
+                       f"already taken (--lr-schedule {cfg.lr_schedule} decays over the checkpoint's --steps "
+                       f"{saved['steps']}), so it cannot extend that run: resume with --steps {saved['steps']}, "
+                       f"or start a new run")
+
+
 def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict | None:
     """Load DIR/<mode>.pt into model, optimizer and scaler (all or nothing); returns the saved history.
 
-    ``None`` (nothing loaded) when the mode has no checkpoint yet: it starts from scratch.
+    ``None`` (nothing loaded) when the mode has no checkpoint yet: it starts from scratch. The options
+    were checked by :func:`_check_resume` before training began; they are checked again here (a file
+    replaced since then is refused too).
     """
     from halfadam.checkpoint import CheckpointError, load_checkpoint
 
@@ -415,17 +474,11 @@ def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict
     objects = dict(model=model, optimizer=optimizer)
     if scaler is not None:
         objects["scaler"] = scaler
-    ours = _run_identity(cfg)
     try:
-        entries = load_checkpoint(path)  # read and verified; nothing loaded yet
-        saved = entries.get("config")
-        if saved != ours:
-            diff = sorted(k for k in ours if not isinstance(saved, dict) or saved.get(k) != ours[k])
-            raise CLIError(f"--resume {path}: written with other options "
-                           f"({', '.join('--' + k.replace('_', '-') for k in diff)})")
-        load_checkpoint(path, **objects)
+        entries = load_checkpoint(path, **objects)
     except CheckpointError as exc:
         raise CLIError(f"--resume: {exc}") from None
+    _check_resumed_options(cfg, path, entries)  # the copies loaded into are dropped if it raises
     torch.set_rng_state(entries["rng"])
     if "cuda_rng" in entries:
         torch.cuda.set_rng_state(entries["cuda_rng"], torch.device(cfg.device))
@@ -696,7 +749,7 @@ def run(args: argparse.Namespace) -> int:
     dist = torch.distributed
     grouped = dist.is_available() and dist.is_initialized()
     if cfg.nproc > 1 and not grouped:  # the launching process (resolve_config refused --nproc under torchrun)
-        _make_out(out)
+        _make_dirs(cfg, out)
         return _launch(args, cfg.nproc)
     rank, world = hd.init_from_env("nccl" if device.type == "cuda" else "gloo")
     owns_group = not grouped and dist.is_available() and dist.is_initialized()  # torchrun: set up just now
@@ -713,11 +766,23 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _make_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CLIError(f"cannot create output directory {out}: {exc.strerror or exc}") from None
+def _make_dirs(cfg: TrainConfig, out: Path) -> None:
+    """Create the output directory and the ``--save`` one and check that files can be written in them.
+
+    Done before training, so that a bad directory fails at once rather than after the run (CLIError).
+    """
+    for option, path in (("--out", out), ("--save", Path(cfg.save) if cfg.save else None)):
+        if path is None:
+            continue
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CLIError(f"{option} {path}: cannot create the directory: {exc.strerror or exc}") from None
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            raise CLIError(f"{option} {path}: cannot write files there: {exc.strerror or exc}") from None
 
 
 def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: int) -> int:
@@ -732,7 +797,7 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
             raise CLIError("no mode left to run: " + "; ".join(skipped))
     fresh = _check_resume(cfg) if cfg.resume else []
     if lead:
-        _make_out(out)
+        _make_dirs(cfg, out)
 
     dataset, base_model, data_line, model_line = build_task(cfg)
     n_params = sum(p.numel() for p in base_model.parameters())

@@ -7,7 +7,8 @@
 // with c = the coefficients of halfadam.functional.adam_coefficients:
 //
 //   g  = float(grad) [* grad_scale]
-//   w  = master, or p where p != round(master)            (master sync; w = p for float32 params)
+//   w  = master, or p where p != round(master)            (master sync; w = p for float32 params;
+//        "!=" also where the two are zeros of opposite sign: halfadam.functional.written)
 //   g  = g + c.l2 * w            (decay "l2")   |   w = w * c.decay_factor   (otherwise)
 //   m  = m + (g - m) * c.one_minus_beta1
 //   v  = v * c.beta2 + (g * c.one_minus_beta2) * g
@@ -17,9 +18,10 @@
 //
 // State encodings (halfadam.encodings is their specification; the functions named there are mirrored
 // here bit for bit): the master is fp32 ("master_weight") or split ("master_hi" int8, "master_lo"
-// uint8, "master_tie" uint8 per 128-element block: encodings._split_decode / _split_encode_); the
-// moments are both float32 or both bfloat16 (decoded exactly, encoded by stochastic rounding with
-// encodings._random_bits' hash of the value, the step and a salt).
+// uint8, "master_tie" uint8 per 128-element block: encodings._split_decode / _split_encode_); each
+// moment is float32 or bfloat16 (decoded exactly, encoded by stochastic rounding with
+// encodings._random_bits' hash of the element's position in its parameter, the step and a salt).
+// Gradients are float32 or the parameter's dtype (adam_step converts any other floating dtype).
 //
 // Work is split over torch's intra-op threads (at::parallel_for) by 128-element blocks across the list.
 // Each element is read and written once, in one loop: 8 lanes at a time with AVX2 (F16C converts
@@ -64,7 +66,8 @@ inline void store1(at::BFloat16* p, float x) { p->x = bf16_bits(x); }
 inline void store1(at::Half* p, float x) { p->x = c10::detail::fp16_ieee_from_fp32_value(x); }
 template <typename P> inline float round1(float x) { P r; store1(&r, x); return load1(&r); }
 inline float select1(bool take_b, float a, float b) { return take_b ? b : a; }
-inline bool differ1(float a, float b) { return a != b; }  // true where either is nan
+// halfadam.functional.written: another value, nan on either side, or a zero of the other sign
+inline bool written1(float p, float r) { return p != r || std::signbit(p) != std::signbit(r); }
 
 #ifdef HALFADAM_AVX2
 struct V8 {
@@ -102,15 +105,26 @@ inline V8 load8(const P* p) { return widen8(P(), _mm_loadu_si128(reinterpret_cas
 inline void store8(float* p, V8 v) { _mm256_storeu_ps(p, v.x); }
 template <typename P>
 inline void store8(P* p, V8 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), half_bits8(P(), v)); }
-inline V8 differ8(V8 a, V8 b) { return _mm256_cmp_ps(a.x, b.x, _CMP_NEQ_UQ); }  // true where either is nan
-// The master-sync test, p != round(w), per lane (all bits set where true).
-template <typename P> inline V8 stale8(V8 p, V8 w) { return differ8(p, widen8(P(), half_bits8(P(), w))); }
-template <> inline V8 stale8<float>(V8 p, V8 w) { return differ8(p, w); }
+// halfadam.functional.written per lane (all bits set where true): another value (nan on either side:
+// the unordered compare) or a zero of the other sign (the sign bits differ)
+inline V8 written8(V8 p, V8 r) {
+  const __m256i sign = _mm256_srai_epi32(_mm256_xor_si256(_mm256_castps_si256(p.x), _mm256_castps_si256(r.x)), 31);
+  return _mm256_or_ps(_mm256_cmp_ps(p.x, r.x, _CMP_NEQ_UQ), _mm256_castsi256_ps(sign));
+}
+// The master-sync test, written(p, round(w)), per lane.
+template <typename P> inline V8 stale8(V8 p, V8 w) { return written8(p, widen8(P(), half_bits8(P(), w))); }
+template <> inline V8 stale8<float>(V8 p, V8 w) { return written8(p, w); }
 template <> inline V8 stale8<at::BFloat16>(V8 p, V8 w) {
   // round(w) kept in float32 bits (no packing); a nan w is stale whatever those bits are
   const __m256i r = _mm256_and_si256(bf16_round_up8(_mm256_castps_si256(w.x)),
                                      _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm256_or_ps(differ8(p, _mm256_castsi256_ps(r)).x, _mm256_cmp_ps(w.x, w.x, _CMP_UNORD_Q));
+  return _mm256_or_ps(written8(p, _mm256_castsi256_ps(r)).x, _mm256_cmp_ps(w.x, w.x, _CMP_UNORD_Q));
+}
+// +-0, nan or +-inf: no split remainder is kept over them (encodings._split_decode)
+inline V8 no_remainder8(V8 p) {
+  const __m256i e = _mm256_and_si256(_mm256_castps_si256(p.x), _mm256_set1_epi32(0x7F800000));
+  return _mm256_or_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7F800000))),
+                      _mm256_cmp_ps(p.x, _mm256_setzero_ps(), _CMP_EQ_OQ));
 }
 inline V8 select8(V8 take_b, V8 a, V8 b) { return _mm256_blendv_ps(a.x, b.x, take_b.x); }
 #endif
@@ -139,7 +153,8 @@ inline void adam_lanes(V& w, V g, V& m, V& v, const Coefficients<V>& c) {
 enum class Master { kNone, kFp32, kSplit };
 constexpr int64_t BLOCK = 128;  // encodings.BLOCK
 
-// encodings._random_bits with the seed folded in: seed_term = (step * 0x27D4EB2F + salt) mod 2**32
+// encodings._random_bits of an element's position x with the seed folded in:
+// seed_term = (step * 0x27D4EB2F + salt) mod 2**32
 inline uint32_t hash1(uint32_t x, uint32_t seed_term) {
   uint32_t h = x ^ seed_term;
   h = (h ^ (h >> 16)) * 0x7FEB352Du;
@@ -148,10 +163,11 @@ inline uint32_t hash1(uint32_t x, uint32_t seed_term) {
   return h ^ (h >> 15);
 }
 // encodings._encode_moment_ for bfloat16: add 16 random bits below bf16's, truncate
-inline void store_moment1(float* p, float x, uint32_t) { *p = x; }
-inline void store_moment1(at::BFloat16* p, float x, uint32_t seed_term) {
+// (position: the element's index in its parameter)
+inline void store_moment1(float* p, float x, uint32_t, uint32_t) { *p = x; }
+inline void store_moment1(at::BFloat16* p, float x, uint32_t seed_term, uint32_t position) {
   const uint32_t u = float_to_bits(x);
-  p->x = static_cast<uint16_t>((u + (hash1(u, seed_term) >> 16)) >> 16);
+  p->x = static_cast<uint16_t>((u + (hash1(position, seed_term) >> 16)) >> 16);
 }
 // encodings._fp16_ulp: 2**(max(e, -14) - 10) for |x| in [2**e, 2**(e+1)), from x's float32 bits
 inline float fp16_ulp1(float x) {
@@ -182,10 +198,10 @@ inline __m256i hash8(__m256i x, __m256i seed_term) {
   h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), _mm256_set1_epi32(0x297A2D39));
   return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
 }
-inline void store_moment8(float* p, V8 x, __m256i) { store8(p, x); }
-inline void store_moment8(at::BFloat16* p, V8 x, __m256i seed_term) {
+inline void store_moment8(float* p, V8 x, __m256i, __m256i) { store8(p, x); }
+inline void store_moment8(at::BFloat16* p, V8 x, __m256i seed_term, __m256i positions) {
   const __m256i u = _mm256_castps_si256(x.x);
-  const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(hash8(u, seed_term), 16)), 16);
+  const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(hash8(positions, seed_term), 16)), 16);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
 }
@@ -225,20 +241,21 @@ struct Step {
   int8_t* master_hi;        // split master (Master::kSplit): remainder bytes and per-block tie lane + 1
   uint8_t* master_lo;
   uint8_t* master_tie;
-  void* exp_avg;            // float32 or bfloat16, both alike
+  void* exp_avg;            // float32 or bfloat16 (MA), float32 or bfloat16 (MV)
   void* exp_avg_sq;
   float c[9];               // adam_coefficients, then the gradient scale (1 without one: g * 1 == g exactly)
   uint32_t seed_exp_avg, seed_exp_avg_sq;  // hash seeds of the bfloat16 moments' stochastic rounding
 };
 
 // Elements a..b (a a multiple of BLOCK) of one parameter. P: the parameter's dtype, G: the gradient's,
-// MS: how the master is kept (kNone: the parameter, float32, is the weight), M: the moments' dtype.
-template <typename P, typename G, Master MS, typename M, bool L2, bool OPTIMIZED>
+// MS: how the master is kept (kNone: the parameter, float32, is the weight), MA / MV: exp_avg's and
+// exp_avg_sq's dtypes.
+template <typename P, typename G, Master MS, typename MA, typename MV, bool L2, bool OPTIMIZED>
 void run(const Step& s, const Item& it, int64_t a, int64_t b) {
   P* param = static_cast<P*>(it.param);
   const G* grad = static_cast<const G*>(it.grad);
-  M* m = static_cast<M*>(s.exp_avg) + it.offset;
-  M* v = static_cast<M*>(s.exp_avg_sq) + it.offset;
+  MA* m = static_cast<MA*>(s.exp_avg) + it.offset;
+  MV* v = static_cast<MV*>(s.exp_avg_sq) + it.offset;
   float* master = MS == Master::kFp32 ? s.master + it.offset : nullptr;
   const Coefficients<float> c1(s.c);
 #ifdef HALFADAM_AVX2
@@ -272,12 +289,15 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
           r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_cmpeq_epi32(lane, _mm256_set1_epi32(tie_lane)),
                                                    _mm256_set1_epi32(65536)));
           w = split_decode8(P(), p, r);
+          w = select8(no_remainder8(p), w, p);  // no remainder over +-0, nan or inf
         }
         w = select8(stale8<P>(p, w), w, p);  // master sync
       }
       adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c8);
-      store_moment8(m + i, mi, seed_m);
-      store_moment8(v + i, vi, seed_v);
+      const __m256i positions = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      store_moment8(m + i, mi, seed_m, positions);
+      store_moment8(v + i, vi, seed_v, positions);
       if constexpr (MS == Master::kFp32) store8(master + i, w);
       if constexpr (MS == Master::kSplit) {  // round once: the parameter's bits, and the remainder over them
         const __m128i bits = half_bits8(P(), w);
@@ -317,12 +337,13 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
           const int32_t r = static_cast<int32_t>(s.master_hi[j]) * 256 + static_cast<int32_t>(s.master_lo[j]) +
                             (i - start == tie_lane ? 65536 : 0);
           w = split_decode1(P(), p, r);
+          if (!std::isfinite(p) || p == 0.0f) w = p;  // no remainder over +-0, nan or inf
         }
-        w = select1(differ1(p, round1<P>(w)), w, p);  // master sync
+        w = select1(written1(p, round1<P>(w)), w, p);  // master sync
       }
       adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c1);
-      store_moment1(m + i, mi, s.seed_exp_avg);
-      store_moment1(v + i, vi, s.seed_exp_avg_sq);
+      store_moment1(m + i, mi, s.seed_exp_avg, static_cast<uint32_t>(i));
+      store_moment1(v + i, vi, s.seed_exp_avg_sq, static_cast<uint32_t>(i));
       if constexpr (MS == Master::kFp32) master[i] = w;
       store1(param + i, w);
       if constexpr (MS == Master::kSplit) {  // the tie rule, as above
@@ -343,32 +364,38 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
 
 using RunFn = void (*)(const Step&, const Item&, int64_t, int64_t);
 
-template <typename P, typename G, Master MS, typename M>
-RunFn pick4(bool l2, bool optimized) {
-  return l2 ? (optimized ? &run<P, G, MS, M, true, true> : &run<P, G, MS, M, true, false>)
-            : (optimized ? &run<P, G, MS, M, false, true> : &run<P, G, MS, M, false, false>);
+template <typename P, typename G, Master MS, typename MA, typename MV>
+RunFn pick_update(bool l2, bool optimized) {
+  return l2 ? (optimized ? &run<P, G, MS, MA, MV, true, true> : &run<P, G, MS, MA, MV, true, false>)
+            : (optimized ? &run<P, G, MS, MA, MV, false, true> : &run<P, G, MS, MA, MV, false, false>);
 }
 
-template <typename P, Master MS, typename M>
-RunFn pick3(at::ScalarType grad, bool l2, bool optimized) {
-  switch (grad) {
-    case at::kFloat: return pick4<P, float, MS, M>(l2, optimized);
-    case at::kHalf: return pick4<P, at::Half, MS, M>(l2, optimized);
-    default: return pick4<P, at::BFloat16, MS, M>(l2, optimized);
-  }
+// Gradients are float32 or the parameter's dtype (adam_step converts others first).
+template <typename P, Master MS, typename MA, typename MV>
+RunFn pick_grad(bool float_grad, bool l2, bool optimized) {
+  return float_grad ? pick_update<P, float, MS, MA, MV>(l2, optimized) : pick_update<P, P, MS, MA, MV>(l2, optimized);
 }
 
 // Callers check supported() first: any other dtype never reaches these switches.
-template <typename M>
-RunFn pick2(at::ScalarType param, at::ScalarType grad, Master ms, bool l2, bool optimized) {
+template <typename MA, typename MV>
+RunFn pick_param(at::ScalarType param, bool float_grad, Master ms, bool l2, bool optimized) {
   if (param == at::kFloat)  // float32 parameters: no master, or an fp32 one (master_weights=True)
-    return ms == Master::kNone ? pick3<float, Master::kNone, M>(grad, l2, optimized)
-                               : pick3<float, Master::kFp32, M>(grad, l2, optimized);
+    return ms == Master::kNone ? pick_update<float, float, Master::kNone, MA, MV>(l2, optimized)
+                               : pick_update<float, float, Master::kFp32, MA, MV>(l2, optimized);
   if (param == at::kHalf)
-    return ms == Master::kSplit ? pick3<at::Half, Master::kSplit, M>(grad, l2, optimized)
-                                : pick3<at::Half, Master::kFp32, M>(grad, l2, optimized);
-  return ms == Master::kSplit ? pick3<at::BFloat16, Master::kSplit, M>(grad, l2, optimized)
-                              : pick3<at::BFloat16, Master::kFp32, M>(grad, l2, optimized);
+    return ms == Master::kSplit ? pick_grad<at::Half, Master::kSplit, MA, MV>(float_grad, l2, optimized)
+                                : pick_grad<at::Half, Master::kFp32, MA, MV>(float_grad, l2, optimized);
+  return ms == Master::kSplit ? pick_grad<at::BFloat16, Master::kSplit, MA, MV>(float_grad, l2, optimized)
+                              : pick_grad<at::BFloat16, Master::kFp32, MA, MV>(float_grad, l2, optimized);
+}
+
+RunFn pick(at::ScalarType exp_avg, at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms,
+           bool l2, bool optimized) {
+  const bool a16 = exp_avg == at::kBFloat16, v16 = exp_avg_sq == at::kBFloat16;
+  if (a16 && v16) return pick_param<at::BFloat16, at::BFloat16>(param, float_grad, ms, l2, optimized);
+  if (a16) return pick_param<at::BFloat16, float>(param, float_grad, ms, l2, optimized);
+  if (v16) return pick_param<float, at::BFloat16>(param, float_grad, ms, l2, optimized);
+  return pick_param<float, float>(param, float_grad, ms, l2, optimized);
 }
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -397,13 +424,15 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                 "adam_step: state['", key, "'] must be a contiguous 1-D ", dtype, " CPU tensor");
     return t;
   };
-  const auto found = state.find("exp_avg");
-  TORCH_CHECK(found != state.end() && (found->second.scalar_type() == at::kFloat ||
-                                       found->second.scalar_type() == at::kBFloat16),
-              "adam_step: state['exp_avg'] must be float32 or bfloat16");
-  const at::ScalarType mdtype = found->second.scalar_type();
-  const at::Tensor exp_avg = get("exp_avg", mdtype), exp_avg_sq = get("exp_avg_sq", mdtype);
-  TORCH_CHECK(exp_avg_sq.defined(), "adam_step: state['exp_avg_sq'] must have exp_avg's dtype");
+  auto moment_dtype = [&](const char* key) {
+    const auto found = state.find(key);
+    TORCH_CHECK(found != state.end() && (found->second.scalar_type() == at::kFloat ||
+                                         found->second.scalar_type() == at::kBFloat16),
+                "adam_step: state['", key, "'] must be float32 or bfloat16");
+    return found->second.scalar_type();
+  };
+  const at::ScalarType adtype = moment_dtype("exp_avg"), vdtype = moment_dtype("exp_avg_sq");
+  const at::Tensor exp_avg = get("exp_avg", adtype), exp_avg_sq = get("exp_avg_sq", vdtype);
   const int64_t total_state = exp_avg.numel();
   TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
   const at::Tensor master = get("master_weight", at::kFloat);
@@ -436,14 +465,15 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   std::vector<Item> items(K);
   std::vector<RunFn> fns(K);
   std::vector<int64_t> starts(K + 1, 0);  // in blocks of BLOCK elements
-  std::vector<at::Tensor> keep;                                // contiguous copies of strided grads
+  std::vector<at::Tensor> keep;                                // contiguous float32 copies of grads
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;   // (param, its contiguous copy)
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor p = params[k], g = grads[k];
     const int64_t n = p.numel();
     TORCH_CHECK(p.device().is_cpu() && g.device().is_cpu(), "adam_step: params[", k, "] or its grad is not on the CPU");
-    TORCH_CHECK(supported(p.scalar_type()) && supported(g.scalar_type()), "adam_step: params[", k, "] (",
-                p.scalar_type(), ") or its gradient (", g.scalar_type(), "): only float32, float16 and bfloat16");
+    TORCH_CHECK(supported(p.scalar_type()) && at::isFloatingType(g.scalar_type()), "adam_step: params[", k, "] (",
+                p.scalar_type(), ") or its gradient (", g.scalar_type(), "): parameters float32, float16 or bfloat16, "
+                "gradients floating point");
     TORCH_CHECK(ms != Master::kNone || p.scalar_type() == at::kFloat, "adam_step: params[", k,
                 "]: float16/bfloat16 parameters need a master");
     TORCH_CHECK(ms != Master::kSplit || p.scalar_type() != at::kFloat, "adam_step: params[", k,
@@ -451,7 +481,10 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     TORCH_CHECK(g.numel() == n, "adam_step: grads[", k, "] has ", g.numel(), " elements, its parameter ", n);
     TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= total_state && (ms != Master::kSplit || offsets[k] % BLOCK == 0),
                 "adam_step: offsets[", k, "] out of range or not block-aligned");
-    if (!g.is_contiguous()) {
+    if (g.scalar_type() != at::kFloat && g.scalar_type() != p.scalar_type()) {  // float64, fp16 for bf16...
+      g = g.to(at::kFloat).contiguous();
+      keep.push_back(g);
+    } else if (!g.is_contiguous()) {
       g = g.contiguous();
       keep.push_back(g);
     }
@@ -461,8 +494,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       p = c;
     }
     items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k]};
-    fns[k] = mdtype == at::kFloat ? pick2<float>(p.scalar_type(), g.scalar_type(), ms, l2, optimized_update)
-                                  : pick2<at::BFloat16>(p.scalar_type(), g.scalar_type(), ms, l2, optimized_update);
+    fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms, l2, optimized_update);
     starts[k + 1] = starts[k] + (n + BLOCK - 1) / BLOCK;
   }
   {

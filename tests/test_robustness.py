@@ -1,0 +1,408 @@
+"""Non-finite values, failed calls, writes and dtype changes, implementations that agree bit for bit.
+
+Each test compares against a value the library did not compute the same way: the fp32 state mode
+(torch's semantics: a nan or inf poisons its element and nothing else), a run without the fault,
+or numbers derived from the encodings' definitions.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import halfadam
+from halfadam import cpu_kernel, executions
+from halfadam import encodings as E
+from halfadam.checkpoint import CheckpointError
+
+CPU = torch.device("cpu")
+SHAPES = [(300, 257), (5,), (128, 3), (70000,)]  # direct and packed, padded blocks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _params(dtype, shapes=SHAPES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _grads(params, step, dtype=None):
+    g = torch.Generator().manual_seed(100 + step)
+    return {p: torch.randn(p.shape, generator=g).to(dtype or p.dtype) for p in params}
+
+
+def _train(impl, dtype, mode="fp32", steps=4, cls=halfadam.AdamW, poison=None, grad_dtype=None, **kw):
+    """``steps`` steps on :data:`SHAPES`; ``poison = (step, value)`` writes ``value`` into element 5 of the
+    first gradient at that step. Returns (params, optimizer)."""
+    params = _params(dtype)
+    kw.setdefault("lr", 1e-2)
+    opt = cls(params, implementation=impl, state_mode=mode, **kw)
+    for t in range(steps):
+        grads = _grads(params, t, grad_dtype)
+        if poison is not None and t == poison[0]:
+            grads[params[0]].view(-1)[5] = poison[1]
+        opt.step(grads=grads)
+    return params, opt
+
+
+def _impls(mode):
+    return [i for i in ("reference", "foreach", "cpp") if i != "cpp" or cpu_kernel.supports(E.PRESETS[mode])]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+# ============================================================================ 1. non-finite values
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact"])
+def test_a_nonfinite_gradient_poisons_its_element_only(mode, bad):
+    """bf16 parameters, no scaler: a nan/inf gradient element at step 2 of 5 makes that element's master
+    nan (as torch.optim.AdamW: inf/inf), every implementation takes every step, and every other block
+    is bit for bit the run without the fault (the random bits depend on positions, not values)."""
+    clean = {impl: _train(impl, torch.bfloat16, mode, steps=5) for impl in _impls(mode)}
+    fp32_params, fp32_opt = _train("reference", torch.bfloat16, "fp32", steps=5, poison=(2, bad))
+    fp32_state = fp32_opt.state[fp32_params[0]]
+    for impl in _impls(mode):
+        params, opt = _train(impl, torch.bfloat16, mode, steps=5, poison=(2, bad))
+        st = opt.state[params[0]]
+        assert float(st["step"]) == 5.0 and opt.param_groups[0]["global_step"] == 5
+        master = opt.master_weight(params[0]).view(-1)
+        assert torch.isnan(master[5]) and torch.isnan(params[0].view(-1)[5])
+        assert int(master.isnan().sum()) == 1 and int(params[0].isnan().sum()) == 1
+        ref_params, ref_opt = clean[impl]
+        ref_master = ref_opt.master_weight(ref_params[0]).view(-1)
+        assert torch.equal(master[128:], ref_master[128:]), impl  # the other blocks: untouched
+        assert (master[:128].isfinite().sum() == 127) and (master[:128] - ref_master[:128])[master[:128].isfinite()].abs().max() < 0.05
+        for p, q in zip(params[1:], ref_params[1:]):
+            assert torch.equal(p, q)
+        decoded = E.decode_state(E.format_of(st), params[0], st)
+        for name in ("exp_avg", "exp_avg_sq"):  # nan stays nan, inf stays inf: the fp32 state's values
+            got, want = decoded[name].view(-1)[5], fp32_state[name].view(-1)[5]
+            assert (got.isnan() and want.isnan()) or got == want, (name, got, want)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_an_overflowing_second_moment_stops_its_element(mode):
+    """A finite fp32 gradient of 1e30 makes (1 - b2) g^2 overflow: exp_avg_sq is +inf there, the update
+    m / sqrt(v) is 0 and (no weight decay) that element stops moving; the step never raises."""
+    params = _params(torch.bfloat16)
+    opt = halfadam.AdamW(params, lr=1e-2, state_mode=mode)
+    opt.step(grads=_grads(params, 0, torch.float32))
+    before = opt.master_weight(params[0]).view(-1)[5].item()
+    grads = _grads(params, 1, torch.float32)
+    grads[params[0]].view(-1)[5] = 1e30
+    opt.step(grads=grads)
+    opt.step(grads=_grads(params, 2, torch.float32))
+    st = opt.state[params[0]]
+    decoded = E.decode_state(E.format_of(st), params[0], st)
+    assert decoded["exp_avg_sq"].view(-1)[5].item() == math.inf
+    assert opt.master_weight(params[0]).view(-1)[5].item() == before
+    assert int((~opt.master_weight(params[0]).isfinite()).sum()) == 0
+
+
+def _moment_store(name, n):
+    return {name: torch.zeros(n, dtype=torch.uint8), f"{name}_absmax": torch.zeros(n // 128)}
+
+
+@pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
+def test_uint8_encoders_take_every_float(name):
+    """nan, +-inf, a block of only non-finite values, blocks whose finite absmax is 0, subnormal or huge:
+    the non-finite elements decode as themselves (exp_avg_sq: -inf, impossible for a second moment,
+    as nan) and the finite ones exactly as in the same block with the non-finite values zeroed,
+    but for the few that took one of the reserved codes (then 0.0, or exp_avg_sq's level 3)."""
+    tables = E.tables(E.PRESETS["compact"], CPU)
+    g = torch.Generator().manual_seed(5)
+    n = 128 * 6
+    x = torch.rand(n, generator=g) * torch.exp2(-torch.rand(n, generator=g) * 30)
+    if name == "exp_avg":
+        x = x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x[3], x[4], x[5] = math.nan, math.inf, -math.inf  # block 0: mixed
+    x[128:256] = torch.tensor([math.nan, math.inf] * 64)  # block 1: nothing finite
+    x[256:384] = 0.0
+    x[300] = math.nan  # block 2: absmax 0
+    x[384:512] = x[384:512] * 1e-39  # block 3: subnormal absmax
+    x[400] = math.inf
+    x[512:640] = x[512:640] * 1e30  # block 4: huge
+    x[600] = math.nan
+    # block 5: finite only
+    clean = torch.where(x.isfinite(), x, 0.0)
+    seed = torch.tensor(7)
+    stored, ref = _moment_store(name, n), _moment_store(name, n)
+    E._encode_moment_(torch.uint8, name, x, stored, tables, seed)
+    E._encode_moment_(torch.uint8, name, clean, ref, tables, seed)
+    out = E._decode_moment(torch.uint8, name, stored, tables)
+    expect = E._decode_moment(torch.uint8, name, ref, tables)
+    nonfinite = ~x.isfinite()
+    special = x.clone()
+    if name == "exp_avg_sq":
+        special[x == -math.inf] = math.nan
+    assert torch.equal(out[nonfinite].isnan(), special[nonfinite].isnan())
+    assert torch.equal(out[nonfinite & ~special.isnan()], special[nonfinite & ~special.isnan()])
+    assert torch.equal(stored[f"{name}_absmax"].abs(), ref[f"{name}_absmax"])  # absmax over the finite values
+    flagged = stored[f"{name}_absmax"].view(torch.int32) < 0
+    assert flagged.tolist() == [True, True, True, True, True, False]
+    finite = x.isfinite()
+    codes = ref[name].long() if name == "exp_avg_sq" else (ref[name].long() + 127) % 256
+    reserved_codes = (1, 2) if name == "exp_avg_sq" else (126, 128, 129)
+    reserved = torch.isin(codes, torch.tensor(reserved_codes)) & flagged.repeat_interleave(128)
+    same = finite & ~reserved
+    assert torch.equal(out[same], expect[same])
+    scale = ref[f"{name}_absmax"].repeat_interleave(128)
+    moved = finite & reserved
+    if name == "exp_avg":
+        assert (out[moved] == 0).all()
+        assert ((out[moved] - x[moved]).abs() <= 6e-6 * scale[moved]).all()
+    else:
+        level3 = tables[2][3].item()
+        assert (out[moved] == (level3 * scale[moved])).all()
+    assert torch.equal(out[256:384][finite[256:384]], torch.zeros(int(finite[256:384].sum())))
+    assert (out[384:512][finite[384:512] & (x[384:512] != 0)] != 0).all() or name == "exp_avg"
+
+
+def test_compact_nan_step_does_not_switch_auto_to_foreach():
+    params, opt = _train("auto", torch.bfloat16, "compact", steps=3, poison=(1, math.nan))
+    assert executions.compile_available()
+    assert float(opt.state[params[0]]["step"]) == 3.0
+
+
+# ============================================================================ 2. a failed call changes nothing
+def test_float64_gradients_run_on_every_implementation():
+    """step(grads=...) with float64 gradients (any floating dtype): converted to float32, the same bits
+    on every path, including the C++ kernel, which converted nothing before and raised after counting."""
+    runs = {impl: _train(impl, torch.bfloat16, "split", steps=3, grad_dtype=torch.float64)
+            for impl in ("reference", "foreach", "cpp")}
+    f32 = _train("reference", torch.bfloat16, "split", steps=3, grad_dtype=torch.float32)
+    for impl, (params, opt) in runs.items():
+        assert float(opt.state[params[0]]["step"]) == 3.0
+        for p, q in zip(params, f32[0]):
+            assert torch.equal(p, q), impl
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
+def test_a_step_that_raises_counts_no_step(impl, monkeypatch):
+    params, opt = _train(impl, torch.bfloat16, "bf16", steps=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+    target = {"reference": "update_param_", "foreach": "_run_kernel", "cpp": "_cpp_step"}[impl]
+    monkeypatch.setattr(executions, target, broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step(grads=_grads(params, 2))
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * len(params)
+    assert opt.param_groups[0]["global_step"] == 2
+    monkeypatch.undo()
+    opt.step(grads=_grads(params, 2))  # and the next step is step 3, from the same state
+    again, _ = _train(impl, torch.bfloat16, "bf16", steps=3)
+    for p, q in zip(params, again):
+        assert torch.equal(p, q)
+
+
+# ============================================================================ 3. writes and dtype changes
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_split_master_takes_a_written_nonfinite_value(value, impl):
+    """p.data[i] = inf between steps, where the old remainder is negative: the split master is inf (not
+    +-3.4e38), and the next step (weight decay on) is bit for bit the fp32 mode's: the parameter stays inf."""
+    params, opt = _train(impl, torch.bfloat16, "split", steps=3, weight_decay=0.1)
+    idx = (opt.state[params[0]]["master_hi"].view(-1)[:1000] < 0).nonzero().view(-1)[:20]
+    assert idx.numel() == 20
+    out = {}
+    for mode in ("fp32", "split"):
+        params, opt = _train(impl, torch.bfloat16, mode, steps=3, weight_decay=0.1)
+        p = params[0]
+        p.data.view(-1)[idx] = value
+        m = opt.master_weight(p).view(-1)[idx]
+        assert (m.isnan() if math.isnan(value) else m == value).all(), mode
+        opt.step(grads=_grads(params, 3))
+        out[mode] = [q.detach().clone() for q in params]
+    for a, b in zip(out["fp32"], out["split"]):
+        assert torch.equal(_bits(a), _bits(b))
+    w = out["split"][0].view(-1)[idx]
+    assert (w.isnan() if math.isnan(value) else w == value).all()
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_written_zeros_keep_the_fp32_modes_signs(dtype, impl):
+    """p.mul_(0) (zeros of the parameter's signs) and explicit +0.0 / -0.0, then an lr=0 step: the
+    masters take the written zeros with their signs, and split masters come out of the step with the
+    fp32 state mode's bits (the step's ``w - 0 * m / d`` decides a zero's sign the same way)."""
+    out = {}
+    for mode in ("fp32", "split", "bf16"):
+        params, opt = _train(impl, dtype, mode, steps=3)
+        p = params[0]
+        p.data.mul_(0)
+        p.data.view(-1)[:64] = 0.0
+        p.data.view(-1)[64:128] = -0.0
+        assert torch.equal(torch.signbit(opt.master_weight(p)), torch.signbit(p.detach())), mode
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step(grads=_grads(params, 3))
+        out[mode] = p.detach().clone()
+    assert torch.equal(_bits(out["split"]), _bits(out["fp32"]))  # (bf16 moments: m has other roundings)
+
+
+@pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
+def test_float_after_half_steps_is_the_master(mode):
+    """model.float() after bf16 steps: the fp32 parameter is the master the optimizer trained, bit for
+    bit (bf16 -> fp32 is exact and the remainder is kept)."""
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode=mode)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in lin.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    masters = [opt.master_weight(p).clone() for p in lin.parameters()]
+    assert not torch.equal(masters[0], lin.weight.float())  # the master has bits the parameter lacks
+    lin.float()
+    for p, m in zip(lin.parameters(), masters):
+        assert torch.equal(opt.master_weight(p), m)
+        assert torch.equal(p.detach(), m)
+    lin.bfloat16()  # the float32 weight is rounded: the master restarts from the parameter, as in the fp32 mode
+    for p, m in zip(lin.parameters(), masters):
+        assert torch.equal(p.detach(), m.bfloat16()) and torch.equal(opt.master_weight(p), p.float())
+
+
+def test_split_checkpoint_of_float16_parameters_refuses_a_bfloat16_model():
+    lin = torch.nn.Linear(32, 32).half()
+    opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["remainder_dtype"] == "float16"
+    assert "remainder_dtype" not in opt.state[lin.weight]  # only in the state_dict
+    target = torch.nn.Linear(32, 32).bfloat16()
+    target.load_state_dict({k: v.bfloat16() for k, v in lin.state_dict().items()})
+    opt2 = halfadam.AdamW(target.parameters(), lr=1e-3, state_mode="split")
+    with pytest.raises(CheckpointError, match="remainders over a float16 parameter.*bfloat16"):
+        opt2.load_state_dict(sd)
+    assert not opt2.state
+    same = torch.nn.Linear(32, 32).half()
+    same.load_state_dict(lin.state_dict())
+    opt3 = halfadam.AdamW(same.parameters(), lr=1e-3, state_mode="split")
+    opt3.load_state_dict(sd)
+    assert torch.equal(opt3.master_weight(same.weight), opt.master_weight(lin.weight))
+    del sd["state"][0]["remainder_dtype"]  # a checkpoint written before the key: taken as it is
+    halfadam.AdamW(same.parameters(), lr=1e-3, state_mode="split").load_state_dict(sd)
+
+
+def test_fresh_torch_state_dict_resets_with_a_warning():
+    """Loading a torch.optim.AdamW state_dict that never stepped: the state is reset as torch resets it,
+    the global step (which schedules read) goes back to 0, and a warning says which parameters."""
+    lin = torch.nn.Linear(8, 8).bfloat16()
+    opt = halfadam.AdamW(lin.parameters(), lr=1e-3)
+    for _ in range(3):
+        for p in lin.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().float()) for p in lin.parameters()], lr=1e-3)
+    with pytest.warns(UserWarning, match=r"parameter\(s\) \[0, 1\] have no state in the checkpoint"):
+        opt.load_state_dict(fresh.state_dict())
+    assert not opt.state and opt.param_groups[0]["global_step"] == 0
+
+
+# ============================================================================ 4. groups, frozen parameters
+def test_torch_flags_off_and_user_keys_in_groups():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = halfadam.AdamW([{"params": [p], "foreach": False, "fused": False, "lr_scale": 0.5, "layer_id": 3}])
+    assert opt.param_groups[0]["lr_scale"] == 0.5 and opt.param_groups[0]["layer_id"] == 3
+    halfadam.AdamW([{"params": [p], "foreach": None, "fused": None}])
+    for key in ("foreach", "fused"):
+        with pytest.raises(ValueError, match=rf"\['{key}'\]=True is not supported.*implementation="):
+            halfadam.AdamW([{"params": [p], key: True}])
+    with pytest.raises(ValueError, match="amsgrad"):
+        halfadam.AdamW([{"params": [p], "amsgrad": True}])
+    p.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["lr_scale"] == 0.5
+    halfadam.AdamW([{"params": [p], "lr_scale": 1.0}]).load_state_dict(sd)
+
+
+def test_master_weight_of_a_frozen_parameter_makes_no_state():
+    frozen = torch.nn.Parameter(torch.randn(1000).bfloat16(), requires_grad=False)
+    live = torch.nn.Parameter(torch.randn(10).bfloat16())
+    opt = halfadam.AdamW([frozen, live])
+    m = opt.master_weight(frozen)
+    assert m.dtype == torch.float32 and torch.equal(m, frozen.float()) and not opt.state.get(frozen)
+
+
+# ============================================================================ 5. implementations agree
+def _state_bits(opt, params):
+    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+OPTIMIZERS = {
+    "adamw": (halfadam.AdamW, dict(weight_decay=0.1)),
+    "adam-l2": (halfadam.Adam, dict(weight_decay=0.1)),
+    "adamfp16-absolute": (halfadam.AdamFP16, dict(weight_decay=halfadam.WeightDecay(1e-3, absolute=True))),
+    "adamfp16-not-optimized": (halfadam.AdamFP16, dict(optimized_update=False)),
+}
+FORMATS = {"fp32": {}, "split": {}, "bf16": {}, "compact": {},
+           "split+bf16-exp_avg": dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float32),
+           "fp32+bf16-exp_avg_sq": dict(exp_avg_sq_dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_every_implementation_computes_the_same_bits(opt_name, fmt, dtype):
+    """reference, foreach and cpp (where it runs the format): the same parameters and state bytes after 4
+    steps, in every state format, dtype and decay mode (one spelling of the math, a correctly rounded sqrt,
+    random bits from positions)."""
+    cls, kw = OPTIMIZERS[opt_name]
+    mode = fmt.split("+")[0]
+    kw = dict(kw, **FORMATS[fmt])
+    fmt_obj = E.state_format(mode, **{k: v for k, v in FORMATS[fmt].items()})
+    impls = ["reference", "foreach"] + (["cpp"] if cpu_kernel.supports(fmt_obj) else [])
+    runs = {impl: _train(impl, dtype, mode, steps=4, cls=cls, **kw) for impl in impls}
+    params0, opt0 = runs["reference"]
+    for impl, (params, opt) in runs.items():
+        for p, q in zip(params, params0):
+            assert torch.equal(_bits(p.detach()), _bits(q.detach())), impl
+        for a, b in zip(_state_bits(opt, params), _state_bits(opt0, params0)):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert torch.equal(a[k], b[k]), (impl, k)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_fused_computes_the_reference_bits(mode):
+    runs = {impl: _train(impl, torch.bfloat16, mode, steps=4, weight_decay=0.1) for impl in ("reference", "fused")}
+    (pr, orf), (pf, of) = runs["reference"], runs["fused"]
+    for p, q in zip(pr, pf):
+        assert torch.equal(_bits(p.detach()), _bits(q.detach()))
+    for a, b in zip(_state_bits(orf, pr), _state_bits(of, pf)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_fp32_steps_then_half_is_one_behaviour():
+    """The issue's case: an fp32 Linear(300, 300) trained one step, then .half(), then 3 steps: every
+    implementation holds the same parameters and masters, bit for bit."""
+    out = {}
+    for impl in ("reference", "foreach", "cpp"):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(300, 300)
+        opt = halfadam.AdamW(lin.parameters(), lr=1e-2, implementation=impl)
+        g = torch.Generator().manual_seed(1)
+        for k in range(4):
+            if k == 1:
+                lin.half()
+            for p in lin.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+        out[impl] = (lin.weight.detach().clone(), opt.master_weight(lin.weight).clone())
+    for impl, (w, m) in out.items():
+        assert torch.equal(_bits(w), _bits(out["reference"][0])) and torch.equal(m, out["reference"][1]), impl
