@@ -23,3 +23,15 @@ def load_golden(directory: Path = GOLDEN_DIR):
 def golden():
     """The real mindformers AdamW trajectories (tests/golden)."""
     return load_golden()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: its tiny tensors are much slower with OpenMP threads competing
+    for two cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -216,10 +216,16 @@ def test_cpp_failed_build_is_reported_and_remembered(monkeypatch, tmp_path):
     assert list(tmp_path.rglob("halfadam_build_failed.txt"))
 
 
-def test_cpp_rejects_what_it_cannot_run():
-    p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
-    with pytest.raises(ValueError, match="implementation='cpp' runs float32 and bfloat16 moments .* got 'compact'"):
-        halfadam.AdamW(p, implementation="cpp", state_mode="compact")
+def test_cpp_runs_every_state_mode():
+    """The C++ kernel has every encoding (8-bit moments included): implementation='cpp' takes every preset
+    and override, and runs them (tests/test_cpp_uint8.py compares their bytes with the reference)."""
+    for kw in ({"state_mode": m} for m in ("fp32", "split", "bf16", "compact")):
+        p = [torch.zeros(300, dtype=torch.bfloat16, requires_grad=True)]
+        opt = halfadam.AdamW(p, implementation="cpp", **kw)
+        p[0].grad = torch.ones(300, dtype=torch.bfloat16)
+        opt.step()
+    for kw in ({"exp_avg_dtype": torch.uint8}, {"exp_avg_sq_dtype": torch.uint8, "store_param_remainders": True}):
+        halfadam.AdamW([torch.zeros(3, requires_grad=True)], implementation="cpp", **kw)
 
 
 @pytest.mark.parametrize("bad, error, match", [

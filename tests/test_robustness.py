@@ -22,12 +22,7 @@ CPU = torch.device("cpu")
 SHAPES = [(300, 257), (5,), (128, 3), (70000,)]  # direct and packed, padded blocks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params(dtype, shapes=SHAPES, seed=0):

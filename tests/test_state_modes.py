@@ -48,11 +48,8 @@ FP32_BYTES = {"fp32": 8.0, "split": 8.0, "bf16": 4.0, "compact": 2 + 8 / 128}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
     if MEASURED and os.environ.get("HALFADAM_TEST_REPORT") == "1":  # the distances behind the bounds (-s)
         for key, value in sorted(MEASURED.items(), key=str):
             print("MEASURED", key, value)
@@ -640,8 +637,6 @@ def _matrix_params():
                 marks = []
                 if impl == "fused" and not ALL_FUSED and (mode, dtype) not in FUSED_DEFAULT:
                     marks = [pytest.mark.skip(reason=FUSED_SKIP)]
-                if impl == "cpp" and mode == "compact":
-                    continue  # the C++ kernel has no 8-bit moments (a ValueError at construction)
                 out.append(pytest.param(mode, impl, dtype, marks=marks, id=f"{mode}-{impl}-{str(dtype)[6:]}"))
     return out
 
@@ -756,8 +751,6 @@ def _resumed(weights, state, mode, impl, dtype=torch.bfloat16):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["reference", "fused", "cpp"])
 def test_checkpoint_resume_is_bit_for_bit(mode, impl):
-    if impl == "cpp" and mode == "compact":
-        pytest.skip("the C++ kernel has no 8-bit moments")
     model, opt, weights, state = _saved_run(mode, impl)
     state.seek(0)
     saved = torch.load(state, weights_only=True)

@@ -289,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--impls", type=_names, default=list(IMPLS),
                         help="reference,foreach,fused,cpp (default all). reference: one update per tensor; foreach: "
                              "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
-                             "cpp: the hand-written C++ CPU kernel (CPU only; state modes fp32, split, bf16: skipped elsewhere). "
+                             "cpp: the hand-written C++ CPU kernel (CPU only, every state mode; skipped elsewhere). "
                              "implementation='auto' runs cpp on the CPU where it builds, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else _names(s),
                         default=["fp32", "compact"],

@@ -1,12 +1,14 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
 ``csrc/adam_cpu.cpp`` holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
-optimized_update, step)``: one Adam/AdamW step over a list of float16/bfloat16/float32 parameters
+optimized_update, step, tables)``: one Adam/AdamW step over a list of float16/bfloat16/float32 parameters
 whose state lives in a bucket's flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`), in
 one call (no gathering of gradients or parameters, no per-tensor Python), for the state formats of
-:func:`supports` (the encodings of :mod:`halfadam.encodings`, bit for bit); and
-``first_invalid(params, grads)``, the optimizer's per-gradient checks in one call (the index of the
-first pair they would reject). Its equations are
+:func:`supports` (every one: the encodings of :mod:`halfadam.encodings`, bit for bit, 8-bit moments
+included, with ``tables`` = :func:`halfadam.encodings.tables`); ``first_invalid(params, grads)``,
+the optimizer's per-gradient checks in one call (the index of the first pair they would reject);
+and, for tests, ``encode_uint8``/``decode_uint8``, its 8-bit block encoder and decoder by themselves.
+Its equations are
 :mod:`halfadam.functional`'s, term for term (the file's header states them), vectorised with AVX2
 and F16C where the CPU has them, split over torch's intra-op threads (``torch.set_num_threads``).
 
@@ -104,8 +106,9 @@ def _build_name(source: bytes) -> str:
 
 def supports(fmt: StateFormat) -> bool:
     """Whether the kernel implements state format ``fmt``: an fp32 or split master, and each moment
-    float32 or bfloat16 (the presets ``fp32``, ``split`` and ``bf16`` and their mixes; not the 8-bit moments)."""
-    return fmt.exp_avg in (torch.float32, torch.bfloat16) and fmt.exp_avg_sq in (torch.float32, torch.bfloat16)
+    float32, bfloat16 or uint8 (every preset, ``fp32``, ``split``, ``bf16`` and ``compact``, and every mix)."""
+    return (fmt.master in ("fp32", "split") and fmt.exp_avg in (torch.float32, torch.bfloat16, torch.uint8)
+            and fmt.exp_avg_sq in (torch.float32, torch.bfloat16, torch.uint8))
 
 
 def load() -> Optional[ModuleType]:

@@ -447,7 +447,8 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
         # lo: the largest code in 1..254 whose level is <= y (1 below the range), by exact comparisons
         # with the table: log2 only estimates it (within one code: 0.09 octave), so its rounding (an
         # eager, a compiled or the C++ kernel's log2) never changes a code
-        lo = torch.floor(255 + torch.log2(y) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
+        # (a negative value, which no step makes but a loaded state may hold, encodes to 0 below)
+        lo = torch.floor(255 + torch.log2(y.clamp(min=0)) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
         lo = (lo + (levels[lo + 1] <= y).to(torch.int64) - (levels[lo] > y).to(torch.int64)).clamp(1, 254)
         lo = torch.maximum(lo, torch.where(flagged, 3, 1))  # codes 1, 2 mean inf, nan in a flagged block
         v_lo, v_hi = levels[lo], levels[lo + 1]

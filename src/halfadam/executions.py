@@ -5,13 +5,13 @@
 * :func:`flat_step` over a :class:`halfadam.buckets.Bucket`: ``adam_coefficients`` eagerly (a few 0-d
   float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
   compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``);
-  or, for CPU buckets in the state modes fp32, split and bf16, the hand-written C++ kernel of
-  :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations, one call per bucket, reading every
-  gradient and writing every parameter where it lies.
+  or, for CPU buckets in every state mode (8-bit moments included), the hand-written C++ kernel of
+  :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations and encodings, bit for bit, one call per
+  bucket, reading every gradient and writing every parameter where it lies.
 
-Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in a format it implements (:func:`halfadam.cpu_kernel.supports`)
-when the kernel builds (it moves each byte once, at memory bandwidth, with no per-call entry cost);
-otherwise ``"fused"`` (CUDA, 8-bit moments, or no C++ compiler); ``"foreach"`` once a compilation has failed.
+Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in a format it implements (:func:`halfadam.cpu_kernel.supports`:
+all of them) when the kernel builds (it moves each byte once, with no per-call entry cost); otherwise
+``"fused"`` (CUDA, or no C++ compiler); ``"foreach"`` once a compilation has failed.
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
@@ -217,7 +217,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     indices. ``implementation`` is ``"fused"`` (the kernel compiled by ``torch.compile``: Inductor
     C++ on CPU, Triton on CUDA), ``"foreach"`` (the same function run eagerly over the flat buffers
     in chunks of :data:`EAGER_CHUNK` elements on the CPU, whole on a GPU: a few ops per chunk
-    instead of per tensor), ``"cpp"`` (the C++ kernel: CPU buckets in the fp32, split or bf16 format) or
+    instead of per tensor), ``"cpp"`` (the C++ kernel: CPU buckets, every state format) or
     ``"auto"`` (cpp where it applies and builds, else fused, or foreach when compiling is
     impossible here).
     """
@@ -273,17 +273,17 @@ def _cpp_kernel(bucket: Bucket, implementation: str):
     """The C++ kernel module if ``implementation`` runs it on ``bucket``, else ``None``.
 
     Raises:
-        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU or in a state format
-            the kernel lacks (:func:`halfadam.cpu_kernel.supports`), or the kernel is unavailable
-            here (the reason is in the message).
+        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU (or in a state format
+            the kernel lacks, :func:`halfadam.cpu_kernel.supports`: none today), or the kernel is
+            unavailable here (the reason is in the message).
     """
     if implementation not in ("cpp", "auto"):
         return None
     if not (bucket.device.type == "cpu" and cpu_kernel.supports(bucket.format)):
         if implementation == "cpp":
             raise RuntimeError(
-                f"implementation='cpp' runs CPU parameters in the state modes fp32, split and bf16 only; this bucket is on "
-                f"{bucket.device} in {bucket.format.describe()}: use implementation='auto' or 'fused'")
+                f"implementation='cpp' runs CPU parameters only; this bucket is on {bucket.device} in "
+                f"{bucket.format.describe()}: use implementation='auto' or 'fused'")
         return None
     kernel = cpu_kernel.load()
     if kernel is None and implementation == "cpp":
@@ -294,7 +294,8 @@ def _cpp_kernel(bucket: Bucket, implementation: str):
 
 def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
               grad_scale: Optional[Tensor], step: int) -> None:
-    """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place."""
+    """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place
+    (with uint8 moments, :func:`halfadam.encodings.tables` passed along: the kernel uses its float32 values)."""
     coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                       weight_decay=hp.weight_decay, decay=hp.decay,
                                       optimized_update=hp.optimized_update)
@@ -306,7 +307,7 @@ def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyper
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
     kernel.adam_step(params, [g for _, g in items], bucket.flat, offsets, coefficients, grad_scale,
-                     hp.decay == "l2", hp.optimized_update, step)
+                     hp.decay == "l2", hp.optimized_update, step, encodings.tables(bucket.format, bucket.device) or ())
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

@@ -78,10 +78,6 @@ class _AdamBase(torch.optim.Optimizer):
         self.implementation = implementation
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
-        if implementation == "cpp" and not cpu_kernel.supports(self.state_format):
-            raise ValueError(f"implementation='cpp' runs float32 and bfloat16 moments (the state modes fp32, split, "
-                             f"bf16 and their mixes), got {self.state_format.describe()}: use implementation='auto' "
-                             f"or 'fused'")
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
@@ -892,7 +888,7 @@ class AdamW(_AdamBase):
             compiled by ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on
             CUDA; the first step compiles, later processes reuse Inductor's cache). ``"cpp"``: a
             hand-written C++ CPU kernel (:mod:`halfadam.cpu_kernel`, built on first use), one call
-            per bucket over the parameters' own storage, for float32/bfloat16 moments. ``"auto"``
+            per bucket over the parameters' own storage, in every state mode. ``"auto"``
             (default): cpp for CPU parameters where it applies and builds, else fused, or foreach
             (with a one-time warning) where compiling fails. Parameters without a gradient leave
             gaps in the flat step; buckets whose step counts differ take the reference path that
