@@ -325,6 +325,43 @@ def test_torch_flags_off_and_user_keys_in_groups():
     halfadam.AdamW([{"params": [p], "lr_scale": 1.0}]).load_state_dict(sd)
 
 
+def test_torch_flags_as_constructor_arguments():
+    p = torch.nn.Parameter(torch.zeros(3))
+    for cls in (halfadam.AdamW, halfadam.Adam):
+        cls([p], foreach=False, fused=False, amsgrad=False, maximize=False, capturable=False, differentiable=False)
+        cls([p], foreach=None, fused=None)
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\(fused=...\)=True is not supported.*implementation="):
+            cls([p], fused=True)
+        with pytest.raises(ValueError, match="maximize"):
+            cls([p], maximize=True)
+
+
+def test_fp16_to_bf16_restarts_split_masters_with_a_warning():
+    """A split master is a remainder over the float16 value, which bfloat16 (3 bits fewer) does not
+    hold: after model.bfloat16() the masters restart from the converted parameters, with one warning;
+    the fp32 state keeps its masters. bf16 -> fp16 keeps them in fp16's normal range, exactly."""
+    lin = torch.nn.Linear(100, 10).half()
+    opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    lin.bfloat16()
+    with pytest.warns(UserWarning, match="float16 parameter with a split master .* restart from the converted"):
+        m = opt.master_weight(lin.weight)
+    assert torch.equal(m, lin.weight.float())
+    lin = torch.nn.Linear(100, 10).bfloat16()
+    opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
+    for p in lin.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    old = opt.master_weight(lin.weight).clone()
+    lin.half()
+    normal = old.abs() >= 2.0 ** -14
+    m = opt.master_weight(lin.weight)
+    assert int(normal.sum()) > 900 and torch.equal(m[normal], old[normal])
+    assert torch.equal(lin.weight.detach()[normal], old.half()[normal]) and torch.equal(m[~normal], lin.weight.float()[~normal])
+
+
 def test_master_weight_of_a_frozen_parameter_makes_no_state():
     frozen = torch.nn.Parameter(torch.randn(1000).bfloat16(), requires_grad=False)
     live = torch.nn.Parameter(torch.randn(10).bfloat16())

@@ -1075,8 +1075,8 @@ def test_model_half_after_bf16_steps_keeps_training():
         master = opt.master_weight(p0)  # a dtype change keeps the master (split: exact in fp16's normal range)
         assert master.dtype == torch.float32 and master.shape == p0.shape
         assert torch.equal(p0.detach(), old.half())
-        normal = old.abs() >= 2.0 ** -14
-        assert torch.equal(master[normal], old[normal]) and (master - old).abs().max() <= 2.0 ** -41
+        normal = old.abs() >= 2.0 ** -14  # bf16 -> fp16 keeps those values; below, the master restarts
+        assert torch.equal(master[normal], old[normal]) and torch.equal(master[~normal], p0.detach()[~normal].float())
         _train(model, opt, 30, start=10)
         losses[mode] = before, _full_loss(model)
     before, after = losses["split"]

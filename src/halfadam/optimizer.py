@@ -81,7 +81,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._layouts: Dict[int, "_GroupLayout"] = {}
         self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
-        self._override_warned = False
+        self._override_warned = self._narrowing_warned = False
         if master_weights is not None and not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
 
@@ -136,7 +136,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._order_params = state.pop("_order_params", None)
         self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
         self._dtypes = {}
-        self._written, self._override_warned = {}, False
+        self._written, self._override_warned, self._narrowing_warned = {}, False, False
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ groups
@@ -259,10 +259,16 @@ class _AdamBase(torch.optim.Optimizer):
         value. The moments are moved and kept in the compute dtype; the step count stays. New
         tensors are made, never views into a previous bucket.
 
-        With an encoded state (:mod:`halfadam.encodings`) the same rule holds: a split master is
-        decoded against the parameter's value in its old dtype (exact: the conversion was exact, or
-        rounded the master, and the remainder gives it back), the parameter follows it as above, and
-        the state is encoded again for the parameter's new form (bf16 -> fp32 loses nothing).
+        With an encoded state (:mod:`halfadam.encodings`) the same rule holds where the conversion
+        kept the parameter's old value (:func:`_converted_exactly`: to float32, bf16 -> fp16 in fp16's
+        normal range): a split master is decoded against that value, exactly, and the parameter follows
+        it (bf16 -> fp32 loses nothing). A split master is a remainder over the old value, so where the
+        conversion rounded it (fp16 -> bf16, bf16 -> fp16 below 2**-14) the master restarts from the
+        converted parameter, with a warning (once). The state is then encoded for the new form.
+
+        This runs at the optimizer's next use of the parameter (a step, ``master_weight``,
+        ``sync_master_weights``, ``state_dict``): ``model.float()`` alone does not write the masters
+        into the parameters before that.
         """
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
@@ -272,9 +278,19 @@ class _AdamBase(torch.optim.Optimizer):
                 p = param.detach()
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
-                unwritten = p == master.to(old_dtype).to(p.dtype)
+                kept = _converted_exactly(old_dtype, p)
+                unwritten = kept & (p == master.to(old_dtype).to(p.dtype))
                 p.copy_(torch.where(unwritten, master.to(p.dtype), p))
                 master = torch.where(unwritten, master, p.to(torch.float32))
+                if not self._narrowing_warned and not bool(kept.all()):
+                    self._narrowing_warned = True
+                    warnings.warn(
+                        f"a {old_dtype} parameter with a split master (state mode {self.state_format.describe()}) "
+                        f"was converted to {param.dtype}, which does not hold every {old_dtype} value: the remainders "
+                        f"were over the old values, so the masters of {int((~kept).sum())} element(s) restart from "
+                        f"the converted parameter (within half a {param.dtype} ulp of the old masters). To keep "
+                        f"exact masters across fp16 <-> bf16, use state_mode='fp32', or carry them with "
+                        f"master_state_dict / halfadam.checkpoint.load_master_state_dict", UserWarning, stacklevel=4)
             new = encodings.convert_state(state, param, self._format(param, group), self._use_master(param, group),
                                           master)
             state.clear()
@@ -658,6 +674,18 @@ def _raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
                              f"gradients by the parameters themselves (p, not p.detach() or p.data)")
 
 
+def _converted_exactly(old_dtype: torch.dtype, p: Tensor) -> Tensor:
+    """Where converting a parameter from ``old_dtype`` to ``p``'s dtype kept its value, read off the new
+    values ``p`` (bool, ``p``'s shape): everywhere when widening to float32/float64; bfloat16 ->
+    float16 where ``p`` is in float16's normal range (bfloat16 values there all fit float16, and
+    every other value lands below it or at inf); nowhere for float16 -> bfloat16 (3 bits fewer)."""
+    if p.dtype in (torch.float32, torch.float64) or old_dtype == p.dtype:
+        return torch.ones_like(p, dtype=torch.bool)
+    if old_dtype == torch.bfloat16 and p.dtype == torch.float16:
+        return p.isfinite() & (p.abs() >= 2.0 ** -14)
+    return torch.zeros_like(p, dtype=torch.bool)
+
+
 def _compute_dtype(param: Tensor) -> torch.dtype:
     """The dtype of the update math and moments for ``param``: float64 for float64, else float32."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -692,14 +720,21 @@ _TORCH_FLAGS_OFF = {"amsgrad": (False,), "maximize": (False,), "capturable": (Fa
                     "foreach": (None, False), "fused": (None, False)}
 
 
-def _check_group_keys(group: Dict[str, Any], where: str) -> None:
-    """Reject torch flags halfadam does not implement, and halfadam's own keys of the wrong type."""
+def _check_torch_flags(flags: Dict[str, Any], where: str) -> None:
+    """ValueError for a torch.optim.AdamW flag of ``flags`` at a value other than "off" (``where`` + key
+    names it: ``param_groups[0]['fused']`` or ``AdamW(fused=...)``)."""
     for key, off in _TORCH_FLAGS_OFF.items():
-        if key in group and not any(group[key] is v for v in off):
+        if key in flags and not any(flags[key] is v for v in off):
             hint = " (choose the execution with implementation=...)" if key in ("foreach", "fused") else ""
             accepted = " or ".join(repr(v) for v in off)
-            raise ValueError(f"{where}['{key}']={group[key]!r} is not supported by halfadam{hint}; only "
+            name = f"{where}['{key}']" if where.startswith("param_groups") else f"{where}({key}=...)"
+            raise ValueError(f"{name}={flags[key]!r} is not supported by halfadam{hint}; only "
                              f"{accepted} is accepted")
+
+
+def _check_group_keys(group: Dict[str, Any], where: str) -> None:
+    """Reject torch flags halfadam does not implement, and halfadam's own keys of the wrong type."""
+    _check_torch_flags(group, where)
     if "master_weights" in group and group["master_weights"] is not None and not isinstance(
             group["master_weights"], bool):
         raise TypeError(f"{where}['master_weights'] must be None, True or False, got {group['master_weights']!r}")
@@ -901,6 +936,9 @@ class AdamW(_AdamBase):
         store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype: override the preset's fields
             (Megatron's names): split masters on/off; ``torch.float32``, ``torch.bfloat16`` or
             ``torch.uint8`` (8-bit block-wise) for each moment.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's flags,
+            accepted at their "off" values (False; ``foreach``/``fused`` None or False), so code
+            written for torch runs unchanged; any other value is a ValueError.
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
@@ -926,7 +964,10 @@ class AdamW(_AdamBase):
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
                  state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
+                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                                differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="decoupled", optimized_update=False,
                          master_weights=master_weights, implementation=implementation, state_mode=state_mode,
@@ -945,7 +986,10 @@ class Adam(_AdamBase):
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
                  state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
+                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                                differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="l2", optimized_update=False,
                          master_weights=master_weights, implementation=implementation, state_mode=state_mode,

@@ -449,9 +449,9 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             if fmt.master == "split" and remainder_dtype not in (None, _dtype_name(p.dtype)):
                 raise CheckpointError(
                     f"{where}: the checkpoint's split master holds remainders over a {remainder_dtype} parameter; "
-                    f"over this {_dtype_name(p.dtype)} one they mean another master. Load it with the model in "
-                    f"{remainder_dtype} and convert the model after (the optimizer keeps the master across dtype "
-                    f"changes), or save the fp32 masters with master_state_dict")
+                    f"over this {_dtype_name(p.dtype)} one they mean another master. Load it into the model in "
+                    f"{remainder_dtype}, or carry exact masters across dtypes with master_state_dict and "
+                    f"halfadam.checkpoint.load_master_state_dict")
         expected = encodings.element_keys(fmt, has_master)
         blocks = encodings.block_keys(fmt, has_master)
         extra = sorted(k for k in set(saved) - {"step"} if k not in expected and k not in blocks)
