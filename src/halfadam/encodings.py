@@ -49,8 +49,9 @@ The encodings:
   a zero of the other sign) or the written value is +-0, nan or +-inf, the parameter's value is
   taken (the master-sync rule of :mod:`halfadam.functional`). :func:`set_master_`
   (``load_master_state_dict``) and checkpoint loads set exact masters. A dtype change keeps the
-  master, as in the fp32 state (``AdamW._conform_state``): ``model.float()`` makes each parameter
-  its master, bit for bit.
+  master where the conversion kept the parameter's value (``AdamW._conform_state``):
+  ``model.float()`` makes each parameter its master, bit for bit; fp16 -> bf16 restarts it from the
+  parameter (the remainder was over the fp16 value).
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
