@@ -472,6 +472,25 @@ def test_readme_quick_start_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "fp32.pt").is_file()
 
 
+def test_readme_checkpoint_example_runs_as_written(tmp_path, monkeypatch):
+    """The "Checkpoints that never lose precision" example continues the Quick start (its model, opt,
+    scaler) and runs as written: the step it saves comes back, and the fp32 export loads without loss."""
+    text = README.read_text()
+    quick = text.split("## Quick start", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    example = text.split("## Checkpoints that never lose precision", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(quick, "README Quick start", "exec"), namespace)
+    with pytest.warns(UserWarning, match="master weights rebuilt"):  # loading torch's state_dict, as it says
+        exec(compile(example, "README checkpoint example", "exec"), namespace)
+    opt, model = namespace["opt"], namespace["model"]
+    assert namespace["step"] == opt.param_groups[0]["global_step"] > 0
+    assert (tmp_path / "ckpt.pt").is_file()
+    saved = torch.load(tmp_path / "fp32.pt", weights_only=True)  # the fp32 export, loaded back without loss
+    for name, p in model.named_parameters():
+        assert saved[name].dtype == torch.float32 and torch.equal(opt.master_weight(p), saved[name])
+
+
 def test_readme_digits_figures(tmp_path, capsys):
     """The README's `halfadam train --task digits` table is what the command gives (up to CPU rounding)."""
     pytest.importorskip("sklearn")

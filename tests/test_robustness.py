@@ -105,6 +105,27 @@ def test_an_overflowing_second_moment_stops_its_element(mode):
     assert int((~opt.master_weight(params[0]).isfinite()).sum()) == 0
 
 
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_grad_scaler_takes_a_finite_1e30_gradient(mode):
+    """With halfadam.GradScaler a finite 1e30 bf16 gradient is no overflow: the step is taken (as
+    torch's scaler takes it), exp_avg_sq overflows to +inf in that element only, nothing raises."""
+    w = torch.nn.Parameter(torch.randn(300).bfloat16())
+    opt = halfadam.AdamW([w], lr=1e-2, state_mode=mode)
+    scaler = halfadam.GradScaler(init_scale=1.0)
+    coef = torch.ones(300)
+    coef[7] = 1e30
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale((w.float() * coef).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    st = opt.state[w]
+    assert float(st["step"]) == 2.0 and scaler.get_scale() == 1.0
+    v = E.decode_state(E.format_of(st), w, st)["exp_avg_sq"]
+    assert v[7].item() == math.inf and bool(v[torch.arange(300) != 7].isfinite().all())
+    assert bool(opt.master_weight(w).isfinite().all())
+
+
 def _moment_store(name, n):
     return {name: torch.zeros(n, dtype=torch.uint8), f"{name}_absmax": torch.zeros(n // 128)}
 
