@@ -46,7 +46,6 @@ import torch
 from halfadam.cli.errors import CLIError
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
 from halfadam.cli.train import _nonnegative_int, _positive_int, _resolve_device
-from halfadam.cpu_kernel import supports
 from halfadam.encodings import PRESETS
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
@@ -160,8 +159,8 @@ def measure(args) -> List[Dict[str, Any]]:
         for dname in args.dtypes:
             for impl in args.impls:
                 for mode in args.state_modes:
-                    if impl == "cpp" and (not supports(PRESETS[mode]) or args.device != "cpu"):
-                        continue  # the C++ kernel: CPU only, no 8-bit moments
+                    if impl == "cpp" and args.device != "cpu":
+                        continue  # the C++ kernel: CPU only
                     add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
                         lambda params, impl=impl, mode=mode: halfadam.AdamW(
                             params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))

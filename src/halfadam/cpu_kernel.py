@@ -3,9 +3,9 @@
 ``csrc/adam_cpu.cpp`` holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
 optimized_update, step, tables)``: one Adam/AdamW step over a list of float16/bfloat16/float32 parameters
 whose state lives in a bucket's flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`), in
-one call (no gathering of gradients or parameters, no per-tensor Python), for the state formats of
-:func:`supports` (every one: the encodings of :mod:`halfadam.encodings`, bit for bit, 8-bit moments
-included, with ``tables`` = :func:`halfadam.encodings.tables`); ``first_invalid(params, grads)``,
+one call (no gathering of gradients or parameters, no per-tensor Python), in every state format (the
+encodings of :mod:`halfadam.encodings`, bit for bit, 8-bit moments included, with ``tables`` =
+:func:`halfadam.encodings.tables`); ``first_invalid(params, grads)``,
 the optimizer's per-gradient checks in one call (the index of the first pair they would reject);
 and, for tests, ``encode_uint8``/``decode_uint8``, its 8-bit block encoder and decoder by themselves.
 Its equations are
@@ -56,14 +56,13 @@ from typing import Iterator, Optional
 
 import torch
 
-from .encodings import StateFormat
 
 try:
     import fcntl
 except ImportError:  # Windows: no lock between processes (cpp_extension's own covers the ninja build)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["load", "loaded", "supports", "unavailable_reason", "SOURCE"]
+__all__ = ["load", "loaded", "unavailable_reason", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("csrc") / "adam_cpu.cpp"
 # -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without it the loop runs on one
@@ -102,13 +101,6 @@ def _build_name(source: bytes) -> str:
            sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix"),
            sysconfig.get_config_var("EXT_SUFFIX"), _cpu_signature(), compiler, found and os.path.realpath(found))
     return f"halfadam_cpu_{hashlib.sha256(source + repr(key).encode()).hexdigest()[:16]}"
-
-
-def supports(fmt: StateFormat) -> bool:
-    """Whether the kernel implements state format ``fmt``: an fp32 or split master, and each moment
-    float32, bfloat16 or uint8 (every preset, ``fp32``, ``split``, ``bf16`` and ``compact``, and every mix)."""
-    return (fmt.master in ("fp32", "split") and fmt.exp_avg in (torch.float32, torch.bfloat16, torch.uint8)
-            and fmt.exp_avg_sq in (torch.float32, torch.bfloat16, torch.uint8))
 
 
 def load() -> Optional[ModuleType]:

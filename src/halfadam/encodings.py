@@ -399,6 +399,16 @@ _NONFINITE = {"exp_avg": ((128, math.inf), (126, -math.inf), (129, math.nan)),
               "exp_avg_sq": ((1, math.inf), (2, math.nan))}
 
 
+def _nonfinite_codes(name: str, x: Tensor) -> Tensor:
+    """The reserved code (table index) of each element of ``x`` as if it were non-finite: its
+    :data:`_NONFINITE` entry, nan's for anything else (``exp_avg_sq`` has no -inf: a -inf is a nan)."""
+    codes = torch.full_like(x, next(c for c, v in _NONFINITE[name] if math.isnan(v)), dtype=torch.int64)
+    for code, value in _NONFINITE[name]:
+        if not math.isnan(value):
+            codes = torch.where(x == value, code, codes)
+    return codes
+
+
 def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tables) -> Tensor:
     q = stored[name]
     if dtype == torch.float32:
@@ -438,10 +448,9 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
     y = xf / torch.where(absmax > 0, absmax, 1.0)
     if name == "exp_avg":
         index = _dynamic_nearest(y, tables[0], tables[1])
-        reserved = (index == 126) | (index == 128) | (index == 129)
-        index = torch.where(flagged & reserved, _DYN_ZERO, index)
-        index = torch.where(finite, index, torch.where(blocks == math.inf, 128,
-                                                       torch.where(blocks == -math.inf, 126, 129)))
+        reserved = functools.reduce(torch.logical_or, [index == c for c, _ in _NONFINITE[name]])
+        index = torch.where(flagged & reserved, _DYN_ZERO, index)  # a flagged block's finite values: 0.0
+        index = torch.where(finite, index, _nonfinite_codes(name, blocks))
         codes = (index - _DYN_ZERO) & 255  # stored so that code 0 is 0.0
     else:  # log2 levels; stochastic rounding unbiased in value; nonzero never to 0
         levels = tables[2]
@@ -451,13 +460,14 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
         # (a negative value, which no step makes but a loaded state may hold, encodes to 0 below)
         lo = torch.floor(255 + torch.log2(y.clamp(min=0)) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
         lo = (lo + (levels[lo + 1] <= y).to(torch.int64) - (levels[lo] > y).to(torch.int64)).clamp(1, 254)
-        lo = torch.maximum(lo, torch.where(flagged, 3, 1))  # codes 1, 2 mean inf, nan in a flagged block
+        lowest = 1 + max(c for c, _ in _NONFINITE[name])  # above the codes of inf and nan in a flagged block
+        lo = torch.maximum(lo, torch.where(flagged, lowest, 1))
         v_lo, v_hi = levels[lo], levels[lo + 1]
         p = ((y - v_lo) / (v_hi - v_lo)).clamp(0, 1)
         u = _uniform(positions(stored, x.numel(), x.device).view(-1, BLOCK), seed, _SALT[name])
         # nonzero never to 0: test the value itself (v / absmax can underflow to 0 when absmax is huge)
         codes = torch.where(xf > 0, lo + (u < p).to(torch.int64), 0)
-        codes = torch.where(finite, codes, torch.where(blocks == math.inf, 1, 2))
+        codes = torch.where(finite, codes, _nonfinite_codes(name, blocks))
     stored[name].copy_(codes.view(-1).to(torch.uint8))
     stored[f"{name}_absmax"].copy_(torch.where(flagged, -absmax, absmax).view(-1))
 

@@ -9,8 +9,7 @@
   :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations and encodings, bit for bit, one call per
   bucket, reading every gradient and writing every parameter where it lies.
 
-Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets in a format it implements (:func:`halfadam.cpu_kernel.supports`:
-all of them) when the kernel builds (it moves each byte once, with no per-call entry cost); otherwise
+Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets when the kernel builds (it moves each byte once, with no per-call entry cost); otherwise
 ``"fused"`` (CUDA, or no C++ compiler); ``"foreach"`` once a compilation has failed.
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
@@ -273,13 +272,12 @@ def _cpp_kernel(bucket: Bucket, implementation: str):
     """The C++ kernel module if ``implementation`` runs it on ``bucket``, else ``None``.
 
     Raises:
-        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU (or in a state format
-            the kernel lacks, :func:`halfadam.cpu_kernel.supports`: none today), or the kernel is
+        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU, or the kernel is
             unavailable here (the reason is in the message).
     """
     if implementation not in ("cpp", "auto"):
         return None
-    if not (bucket.device.type == "cpu" and cpu_kernel.supports(bucket.format)):
+    if bucket.device.type != "cpu":
         if implementation == "cpp":
             raise RuntimeError(
                 f"implementation='cpp' runs CPU parameters only; this bucket is on {bucket.device} in "

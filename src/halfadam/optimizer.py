@@ -335,7 +335,7 @@ class _AdamBase(torch.optim.Optimizer):
             if state and not self._state_fits(param, state, group):
                 self._conform_state(param, state, group)
             loc = None if layout is None else layout.where.get(id(param))
-            if loc is not None and (param.dtype is not loc[0].dtype or param.device != loc[0].device):
+            if loc is not None and _moved(param, loc):
                 layout = self._group_layout(group, rebuild=True)  # converted since the layout was built
                 loc = layout.where.get(id(param))
             if loc is not None:
@@ -440,7 +440,7 @@ class _AdamBase(torch.optim.Optimizer):
                 rest.append((p, g))
                 if not state or not self._state_fits(p, state, group):
                     new.append(p)
-            elif p.dtype is not loc[0].dtype or p.device != loc[0].device:
+            elif _moved(p, loc):
                 return None
             else:
                 if not state:
@@ -672,6 +672,11 @@ def _raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
             what = f"a tensor of shape {tuple(key.shape)}" if isinstance(key, Tensor) else repr(key)
             raise ValueError(f"grads has a key that is not a parameter of this optimizer ({what}); key the "
                              f"gradients by the parameters themselves (p, not p.detach() or p.data)")
+
+
+def _moved(param: Tensor, loc: Tuple[Bucket, int]) -> bool:
+    """Whether ``param`` changed dtype or device since it was placed in bucket ``loc[0]``."""
+    return param.dtype is not loc[0].dtype or param.device != loc[0].device
 
 
 def _converted_exactly(old_dtype: torch.dtype, p: Tensor) -> Tensor:
