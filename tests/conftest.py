@@ -1,9 +1,21 @@
 """Shared test helpers."""
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors (read when
+# halfadam.triton_kernel is first imported, at the first Triton step).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Whether the triton package is installed (CI installs it: the Triton kernels are tested on the CPU).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the triton package is not installed")
 
 #: The real mindformers AdamW trajectories, kept in the repository.
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"

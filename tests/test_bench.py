@@ -111,20 +111,23 @@ def test_a_failing_configuration_is_a_row_and_the_table_goes_on(capsys, monkeypa
                                                  "RuntimeError:", "damaged", "cache", "entry"], fp16
     bf16 = [line.split() for line in lines if "halfadam reference" in line and " bf16 " in line]
     assert len(bf16) == 1 and float(bf16[0][5]) > 0  # timed: ms/step
-    assert sum(line.split()[1:2] == ["torch"] for line in lines) == 3
-    assert captured.err == "halfadam bench: 1 of 5 configurations failed (the rows marked failed)\n"
+    # torch for-loop, foreach and fused on fp32 parameters, and fused on bf16 parameters
+    assert sum(line.split()[1:2] == ["torch"] for line in lines) == 4
+    assert captured.err == "halfadam bench: 1 of 6 configurations failed (the rows marked failed)\n"
 
 
 def test_a_failing_reference_column_in_json(capsys, monkeypatch):
     import torch
 
-    _fail_when(monkeypatch, lambda opt: type(opt) is torch.optim.AdamW and opt.defaults.get("fused"))
+    _fail_when(monkeypatch, lambda opt: type(opt) is torch.optim.AdamW and opt.defaults.get("fused")
+               and opt.param_groups[0]["params"][0].dtype == torch.float32)
     assert bench.main(FAILING + ["--json"]) == 1
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     failed = [r for r in rows if "failed" in r]
-    assert [(r["impl"], r["failed"]) for r in failed] == [("torch fused", "RuntimeError: damaged cache entry")]
+    assert [(r["impl"], r["dtype"], r["failed"]) for r in failed] == [
+        ("torch fused", "fp32", "RuntimeError: damaged cache entry")]
     assert "ms" not in failed[0]
     others = [r for r in rows if "failed" not in r]
-    assert len(others) == 4 and all(r["ms"] > 0 and r["vs_torch_fused"] is None for r in others)
-    assert captured.err.count("\n") == 1 and "1 of 5 configurations failed" in captured.err
+    assert len(others) == 5 and all(r["ms"] > 0 and r["vs_torch_fused"] is None for r in others)
+    assert captured.err.count("\n") == 1 and "1 of 6 configurations failed" in captured.err

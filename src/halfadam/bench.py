@@ -52,7 +52,7 @@ from halfadam.encodings import PRESETS
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
 
 BYTES_PER_PARAM = 28
-IMPLS = ("reference", "foreach", "fused", "cpp")
+IMPLS = ("reference", "foreach", "fused", "cpp", "triton")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 STATE_MODES = tuple(PRESETS)
 #: 2,000 tensors of 10 elements: next to no arithmetic, so its time is the per-step overhead (Python,
@@ -118,11 +118,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: Seconds until ``step()`` returned, by optimizer id, for the last measure() (on a GPU: the host's part).
+_host_seconds: Dict[int, List[float]] = {}
+
+
 def _time_step(opt: torch.optim.Optimizer, device: str) -> float:
-    """Seconds one ``opt.step()`` takes on ``device`` (synchronised before and after): one configuration timed once."""
+    """Seconds one ``opt.step()`` takes on ``device`` (synchronised before and after): one configuration timed
+    once; the seconds until ``step()`` returned are appended to ``_host_seconds[id(opt)]``."""
     _sync(device)
     t0 = time.perf_counter()
     opt.step()
+    _host_seconds.setdefault(id(opt), []).append(time.perf_counter() - t0)
     _sync(device)
     return time.perf_counter() - t0
 
@@ -156,11 +162,14 @@ def measure(args) -> List[Dict[str, Any]]:
         for variant, kw in TORCH_VARIANTS.items():
             add(dict(impl=f"torch {variant}", dtype="fp32"), torch.float32,
                 lambda params, kw=kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw))
+        if "bf16" in args.dtypes:  # torch's fused step on bf16 parameters: bf16 state, no master (lossy, 14 B moved)
+            add(dict(impl="torch fused", dtype="bf16"), torch.bfloat16,
+                lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True))
         for dname in args.dtypes:
             for impl in args.impls:
                 for mode in args.state_modes:
-                    if impl == "cpp" and args.device != "cpu":
-                        continue  # the C++ kernel: CPU only
+                    if (impl == "cpp") != (args.device == "cpu") and impl in ("cpp", "triton"):
+                        continue  # the C++ kernel: CPU only; the Triton kernel: GPU only (the interpreter is for tests)
                     add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
                         lambda params, impl=impl, mode=mode: halfadam.AdamW(
                             params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))
@@ -191,11 +200,12 @@ def measure(args) -> List[Dict[str, Any]]:
                 rows.append(dict(row, failed=failed))
                 continue
             t = statistics.median(times[i])
-            if label["impl"] == "torch fused":
+            if label["impl"] == "torch fused" and label["dtype"] == "fp32":
                 torch_fused = t
             rows.append(dict(row, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
                              gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
                              first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
+                             host_us=statistics.median(_host_seconds.pop(id(opt))[args.warmup:]) * 1e6,
                              state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
         here = [r for r in rows if r["case"] == case["name"] and "failed" not in r]
         for row in here:
@@ -226,8 +236,9 @@ def _overhead(rows: List[Dict[str, Any]]) -> str:
             lines.append(f"  {r['impl']} {r['dtype']}{state}: failed: {r['failed']}")
             continue
         vs = "" if r["vs_torch_fused"] is None else f", {r['vs_torch_fused']:.2f}x torch fused"
+        host = f", host {r['host_us']:.0f} us/step" if r["device"] != "cpu" else ""
         lines.append(f"  {r['impl']} {r['dtype']}{state}: {r['ms'] * 1e3:.0f} us/step, "
-                     f"{r['ms'] * 1e3 / r['tensors']:.2f} us/tensor{vs}")
+                     f"{r['ms'] * 1e3 / r['tensors']:.2f} us/tensor{vs}{host}")
     return "\n".join(lines) + "\n"
 
 
@@ -288,8 +299,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--impls", type=_names, default=list(IMPLS),
                         help="reference,foreach,fused,cpp (default all). reference: one update per tensor; foreach: "
                              "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
-                             "cpp: the hand-written C++ CPU kernel (CPU only, every state mode; skipped elsewhere). "
-                             "implementation='auto' runs cpp on the CPU where it builds, else fused")
+                             "cpp: the hand-written C++ CPU kernel (CPU only, every state mode; skipped elsewhere); "
+                             "triton: the hand-written Triton kernel, one launch per bucket (CUDA only here; the test "
+                             "suite runs it on the CPU under TRITON_INTERPRET=1). implementation='auto' runs cpp on the "
+                             "CPU where it builds, triton on CUDA where triton imports, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else _names(s),
                         default=["fp32", "compact"],
                         help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "

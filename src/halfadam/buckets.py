@@ -88,6 +88,8 @@ class Bucket:
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
+        #: what a kernel keeps between steps (the Triton kernel's work lists and tensor table)
+        self.kernel_cache: Dict[object, object] = {}
 
     def steps_uniform(self, indices: Optional[List[int]] = None) -> bool:
         """Whether the step counts of parameters ``indices`` (default: all) are equal; for all of them,

@@ -24,6 +24,7 @@ rebinding ``param.data``.
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from .functional import adam_coefficients, adam_update_, sync_master_
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
 
 #: Accepted values of the optimizers' ``implementation`` argument.
-IMPLEMENTATIONS = ("auto", "cpp", "fused", "foreach", "reference")
+IMPLEMENTATIONS = ("auto", "triton", "cpp", "fused", "foreach", "reference")
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,10 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     device = bucket.device
     subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
     step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
+    if _uses_triton(bucket, implementation):
+        _triton_step(bucket, items, hp, grad_scale, int(step))
+        bucket.advance_steps(subset)
+        return
     kernel = _cpp_kernel(bucket, implementation)
     if kernel is not None:
         _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
@@ -266,6 +271,93 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, tables, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
     bucket.advance_steps(subset)
+
+
+_log = logging.getLogger("halfadam")
+_auto_logged: set = set()
+
+
+def _uses_triton(bucket: Bucket, implementation: str) -> bool:
+    """Whether ``implementation`` runs the Triton kernel on ``bucket``: ``"triton"`` (raising where it
+    cannot run), or ``"auto"`` on a CUDA bucket where Triton imports (one log line per device type).
+
+    Raises:
+        RuntimeError: ``implementation="triton"`` where the kernel cannot run (the reason is in the message).
+    """
+    if implementation == "triton":
+        reason = _triton().unavailable_reason(bucket.device)
+        if reason is not None:
+            raise RuntimeError(f"implementation='triton' cannot run this bucket ({bucket.device}, "
+                               f"{bucket.format.describe()}): {reason}; use implementation='auto'")
+        return True
+    if implementation != "auto" or bucket.device.type != "cuda":
+        return False
+    triton_kernel = _triton()
+    use = triton_kernel.available(bucket.device)
+    if bucket.device.type not in _auto_logged:
+        _auto_logged.add(bucket.device.type)
+        _log.info("halfadam: implementation='auto' runs %s on %s", "the Triton kernel ('triton')" if use else
+                  f"'fused' (torch.compile): {triton_kernel.unavailable_reason(bucket.device)}", bucket.device.type)
+    return use
+
+
+def _triton():
+    """:mod:`halfadam.triton_kernel`, imported on first use (it imports triton, and reads
+    ``TRITON_INTERPRET`` then)."""
+    from . import triton_kernel
+    return triton_kernel
+
+
+def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
+                 grad_scale: Optional[Tensor], step: int) -> None:
+    """One Triton launch for the parameters of ``items``, reading each gradient and writing each parameter
+    where it lies. A non-contiguous parameter goes through its slice of ``bucket.out``; a gradient that
+    is non-contiguous, or of a dtype other than float32 and the parameter's (or of mixed dtypes in
+    one call), through a float32 gradient buffer."""
+    triton_kernel = _triton()
+    coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                      weight_decay=hp.weight_decay, decay=hp.decay,
+                                      optimized_update=hp.optimized_update)
+    device = bucket.device
+    index = [i for i, _ in items]
+    grads = [g for _, g in items]
+    gdtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
+    if gdtype not in (torch.float32, bucket.dtype):
+        gdtype = torch.float32
+    params, staged = [], []
+    for k, (i, g) in enumerate(items):
+        p = bucket.params[i].detach()
+        if not p.is_contiguous():
+            view = bucket.views(bucket.out)[i]
+            view.copy_(p)
+            staged.append((p, view))
+            p = view
+        params.append(p)
+        if not g.is_contiguous() or g.dtype != gdtype:
+            grads[k] = bucket.views(bucket.grad_buffer(torch.float32))[i].copy_(g) if gdtype == torch.float32 \
+                else g.contiguous()
+    cache = bucket.kernel_cache
+    work = cache.get(("work", tuple(index)))
+    if work is None:
+        work = cache[("work", tuple(index))] = triton_kernel.work_list([bucket.sizes[i] for i in index], device)
+    key = ("table", tuple(p.data_ptr() for p in params), tuple(g.data_ptr() for g in grads))
+    table = cache.get(key)
+    if table is None:
+        cache.pop(cache.get("table_key"), None)
+        table = cache[key] = triton_kernel.tensor_table(params, grads, [bucket.sizes[i] for i in index],
+                                                        [bucket.offsets[i] for i in index], [0] * len(index), device)
+        cache["table_key"] = key
+    fmt = bucket.format
+    master = (triton_kernel.MASTER_NONE if not bucket.has_master else
+              triton_kernel.MASTER_FP32 if fmt.master == "fp32" else triton_kernel.MASTER_SPLIT)
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
+    triton_kernel.launch(work, table, triton_kernel.scalars(coefficients, step, device), bucket.flat,
+                         encodings.tables(fmt, device), param_dtype=bucket.dtype, grad_dtype=gdtype, master=master,
+                         exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, l2=hp.decay == "l2",
+                         optimized_update=hp.optimized_update, grad_scale=grad_scale)
+    for p, view in staged:
+        p.copy_(view)
 
 
 def _cpp_kernel(bucket: Bucket, implementation: str):

@@ -1,0 +1,366 @@
+"""The Triton kernel (``implementation="triton"``) against the reference execution and the encodings'
+specification, bit for bit. Without a GPU the kernel runs under Triton's interpreter on CPU tensors
+(``TRITON_INTERPRET=1``, set by conftest.py), so the sizes are small: a few programs of
+``triton_kernel.CHUNK`` elements per step. With a GPU the same tests run on CUDA tensors
+(``benchmarks/gpu_check.sh``), against the reference execution on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import halfadam
+from halfadam import encodings as E
+from halfadam import executions
+from conftest import needs_triton
+
+pytestmark = [needs_triton, pytest.mark.usefixtures("one_thread"),
+              # the interpreter's numpy reports the overflows the tests make on purpose (g * g = inf)
+              pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]
+
+CPU = torch.device("cpu")
+#: where the kernel runs: the GPU if there is one, else the CPU under the interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: packed parameters with partial last blocks, one of several programs, one 1-element
+SHAPES = [(33, 17), (5,), (128, 3), (2100,), (1,)]
+OPTIMIZERS = {
+    "adamw": (halfadam.AdamW, dict(weight_decay=0.1)),
+    "adam-l2": (halfadam.Adam, dict(weight_decay=0.1)),
+    "adamfp16-absolute": (halfadam.AdamFP16, dict(weight_decay=halfadam.WeightDecay(1e-3, absolute=True))),
+    "adamfp16-not-optimized": (halfadam.AdamFP16, dict(optimized_update=False)),
+}
+FORMATS = {
+    "fp32": dict(state_mode="fp32"),
+    "split": dict(state_mode="split"),
+    "bf16": dict(state_mode="bf16"),
+    "compact": dict(state_mode="compact"),
+    "compact+fp32-master": dict(state_mode="compact", store_param_remainders=False),
+    "split+uint8-exp_avg+bf16-exp_avg_sq": dict(state_mode="split", exp_avg_dtype=torch.uint8,
+                                                exp_avg_sq_dtype=torch.bfloat16),
+    "fp32+uint8-exp_avg_sq": dict(state_mode="fp32", exp_avg_sq_dtype=torch.uint8),
+}
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+def _train(impl, dtype, cls=halfadam.AdamW, kw=None, steps=4, grad_dtype=None, poison=False, strided=True):
+    """``steps`` steps: a parameter without a gradient at step 1, a loss scale at step 3, a strided
+    parameter with a strided gradient; ``poison``: a nan and an inf gradient at step 2."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, dtype)) for s in SHAPES]
+    if strided:
+        params.append(torch.nn.Parameter(torch.randn(9, 40, generator=g).to(DEVICE, dtype).t()))
+    opt = cls(params, lr=1e-2, implementation=impl, **(kw or {}))
+    for t in range(steps):
+        grads = {}
+        for p in params:
+            if not p.is_contiguous():
+                grads[p] = torch.randn(p.shape[::-1], generator=g).t().to(DEVICE, grad_dtype or dtype)
+            else:
+                grads[p] = torch.randn(p.shape, generator=g).to(DEVICE, grad_dtype or dtype)
+        if t == 1:
+            del grads[params[2]]
+        if poison and t == 2:
+            grads[params[0]].view(-1)[200] = math.nan
+            grads[params[3]].view(-1)[2099] = math.inf  # the last, partial block
+        opt.step(grads=grads, grad_scale=torch.tensor([0.5], device=DEVICE) if t == 3 else None)
+    return params, opt
+
+
+def _assert_same(run_a, run_b, what):
+    (pa, oa), (pb, ob) = run_a, run_b
+    for p, q in zip(pa, pb):
+        assert torch.equal(_bits(p.detach()), _bits(q.detach())), what
+    for p, q in zip(pa, pb):
+        sa, sb = oa.state[p], ob.state[q]
+        assert sa.keys() == sb.keys(), what
+        for k in sa:
+            assert torch.equal(_bits(sa[k]), _bits(sb[k])), (what, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_format_is_the_reference_bit_for_bit(fmt, dtype):
+    """4 steps in every state format and parameter dtype (partial gradients, a loss scale, a strided
+    parameter): every parameter's and state tensor's bytes equal the reference execution's."""
+    cls, kw = OPTIMIZERS["adamw"]
+    kw = dict(kw, **FORMATS[fmt])
+    _assert_same(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("opt_name", ["adam-l2", "adamfp16-absolute", "adamfp16-not-optimized"])
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_every_decay_mode_is_the_reference(mode, opt_name, dtype):
+    cls, kw = OPTIMIZERS[opt_name]
+    kw = dict(kw, state_mode=mode)
+    _assert_same(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), opt_name)
+
+
+@pytest.mark.parametrize("mode", ["split", "compact"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16], ids=["fp32-grads", "fp16-grads"])
+def test_gradient_dtypes(grad_dtype, mode):
+    """bf16 parameters with float32 gradients (the scaler's hand-over) and float16 ones (converted):
+    the reference's bits (on the CPU also the C++ kernel's)."""
+    kw = dict(weight_decay=0.1, state_mode=mode)
+    ref = _train("reference", torch.bfloat16, kw=kw, grad_dtype=grad_dtype)
+    _assert_same(ref, _train("triton", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
+    if DEVICE.type == "cpu":
+        _assert_same(ref, _train("cpp", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
+def test_nonfinite_gradients_are_the_reference(mode):
+    """A nan and an inf gradient: the reference's bits (flagged uint8 blocks included), only those
+    elements non-finite."""
+    kw = dict(weight_decay=0.1, state_mode=mode)
+    ref = _train("reference", torch.bfloat16, kw=kw, poison=True)
+    tri = _train("triton", torch.bfloat16, kw=kw, poison=True)
+    _assert_same(ref, tri, mode)
+    params, _ = tri
+    assert int(params[0].isnan().sum()) == 1 and int(params[3].isnan().sum()) == 1
+
+
+def test_master_sync_and_tied_parameters():
+    """A tied weight (one parameter used twice) and writes between steps (p.data[...] = x, a zero of the
+    other sign): the next step starts from them, as the reference's does, in fp32 and split masters."""
+    out = {}
+    for impl in ("reference", "triton"):
+        for mode in ("fp32", "split"):
+            torch.manual_seed(0)
+            emb = torch.nn.Embedding(40, 16).to(DEVICE, torch.bfloat16)
+            head = torch.nn.Linear(16, 40, bias=False).to(DEVICE, torch.bfloat16)
+            head.weight = emb.weight  # tied
+            opt = halfadam.AdamW(torch.nn.ModuleList([emb, head]).parameters(), lr=1e-2,
+                                 implementation=impl, state_mode=mode)
+            assert len(opt.param_groups[0]["params"]) == 1
+            for t in range(3):
+                x = torch.arange(8, device=DEVICE) + t
+                loss = head(emb(x).float().bfloat16()).float().square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():
+                    emb.weight[t, :4] = 0.5
+                    emb.weight[t + 1, 0] = -0.0
+            out[impl, mode] = (emb.weight.detach().clone(), opt.master_weight(emb.weight).clone())
+    for mode in ("fp32", "split"):
+        (w, m), (wr, mr) = out["triton", mode], out["reference", mode]
+        assert torch.equal(_bits(w), _bits(wr)) and torch.equal(_bits(m), _bits(mr)), mode
+
+
+def test_grad_scaler_hand_over_and_skip():
+    """halfadam.GradScaler: unscaled float32 gradients reach the kernel; an overflowing step is skipped
+    and changes no byte (parameters and state); the run equals the reference's bit for bit."""
+    out = {}
+    for impl in ("reference", "triton"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3))
+        model.to(DEVICE, torch.bfloat16)
+        opt = halfadam.AdamW(model.parameters(), lr=1e-2, implementation=impl, state_mode="compact")
+        scaler = halfadam.GradScaler(init_scale=2.0 ** 10, device=DEVICE.type)
+        for t in range(4):
+            x = torch.randn(16, 20).to(DEVICE, torch.bfloat16)
+            opt.zero_grad()
+            loss = model(x).float().square().mean() * (1e38 if t == 2 else 1.0)  # step 2 overflows
+            before = [p.detach().clone() for p in model.parameters()]
+            state_before = {k: v.clone() for k, v in opt.state[model[0].weight].items()} if t else {}
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if t == 2:
+                assert all(torch.equal(_bits(a), _bits(b.detach())) for a, b in zip(before, model.parameters()))
+                for k, v in state_before.items():
+                    assert torch.equal(_bits(v), _bits(opt.state[model[0].weight][k])), k
+        out[impl] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(out["reference"], out["triton"]):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+# ------------------------------------------------------------------------- the encodings, byte for byte
+@pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
+def test_uint8_encoder_bytes_are_the_spec(name):
+    """The kernel's uint8 encoder and decoder (the functions a step runs) on the C++ kernel test's hard
+    values (ties, code and decade boundaries, zero, subnormal and huge block scales, nan and inf):
+    ``encodings._encode_moment_``'s codes and absmax bits, ``_decode_moment``'s values."""
+    from halfadam import triton_kernel
+    from test_cpp_uint8 import TABLES, _hard_values, _spec_encode
+
+    x = _hard_values(name)
+    x = torch.cat([x, x.new_zeros(-x.numel() % triton_kernel.CHUNK)])
+    tables = E.tables(E.PRESETS["compact"], DEVICE)
+    for seed in (1, 977) if name == "exp_avg_sq" else (1,):
+        want = _spec_encode(name, x, seed)
+        codes, absmax = (t.cpu() for t in triton_kernel.encode_uint8(name, x.to(DEVICE), seed, tables))
+        assert torch.equal(_bits(absmax), _bits(want[f"{name}_absmax"]))
+        bad = (codes != want[name]).nonzero().view(-1)
+        assert bad.numel() == 0, (seed, bad[:10].tolist(), x[bad[:10]].tolist())
+        assert (absmax.view(torch.int32) < 0).sum() == 6
+        decoded = triton_kernel.decode_uint8(name, codes.to(DEVICE), absmax.to(DEVICE), tables).cpu()
+        assert torch.equal(_bits(decoded), _bits(E._decode_moment(torch.uint8, name, want, TABLES)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_one_step_encodes_the_fp32_state_values(dtype):
+    """One step from fresh state in compact and in the fp32 state: the compact codes and absmax are
+    ``_encode_moment_`` of the fp32 run's moments, the bf16 moments of the bf16 mode are their
+    stochastic rounding (``_encode_moment_``), and the split masters decode to the fp32 masters."""
+    def run(mode):
+        torch.manual_seed(0)
+        params = [torch.randn(s).to(DEVICE, dtype).requires_grad_() for s in [(1500,), (5,), (128, 2)]]
+        opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation="triton", state_mode=mode)
+        torch.manual_seed(1)
+        grads = {p: torch.randn(p.shape).to(DEVICE) for p in params}
+        g = grads[params[0]].view(-1)
+        g[128:256] = 0.0
+        g[256:384] *= 1e-40
+        g[384:512] *= 1e18
+        g[512 + 9] = 1e30
+        g[640 + 3], g[768 + 100], g[896 + 127] = math.nan, math.inf, -math.inf
+        opt.step(grads=grads)
+        return params, {id(p): {k: v.cpu() for k, v in opt.state[p].items()} for p in params}, opt
+    (p32, o32, _), (p8, o8, _), (p16, o16, opt16) = run("fp32"), run("compact"), run("bf16")
+    for a, b, c in zip(p32, p8, p16):
+        n = a.numel()
+        s32 = o32[id(a)]
+        for name in ("exp_avg", "exp_avg_sq"):
+            x = torch.zeros(-(-n // 128) * 128)
+            x[:n] = s32[name].reshape(-1)
+            want = _spec_encode_any(torch.uint8, name, x)
+            assert torch.equal(o8[id(b)][name].reshape(-1), want[name][:n]), name
+            assert torch.equal(_bits(o8[id(b)][f"{name}_absmax"]), _bits(want[f"{name}_absmax"])), name
+            want16 = _spec_encode_any(torch.bfloat16, name, x)[name][:n]
+            got16 = o16[id(c)][name].reshape(-1)
+            finite = want16.isfinite()
+            assert torch.equal(_bits(got16)[finite], _bits(want16)[finite]) and torch.equal(got16.isnan(), want16.isnan())
+        m16 = opt16.master_weight(c).cpu()
+        finite = m16.isfinite()
+        assert torch.equal(m16[finite], s32["master_weight"][finite]), name
+
+
+def _spec_encode_any(dtype, name, x):
+    stored = {name: torch.zeros(x.numel(), dtype=dtype), f"{name}_absmax": torch.zeros(x.numel() // 128)}
+    E._encode_moment_(dtype, name, x.clone(), stored, E.tables(E.PRESETS["compact"], CPU), torch.tensor(1))
+    return stored
+
+
+# ------------------------------------------------------------------------- the launch and its tables
+def test_one_launch_per_bucket_and_cached_tables(monkeypatch):
+    """A step is one kernel launch per bucket; the work list is kept while the same parameters step, the
+    tensor table while the addresses stay (gradients kept by zero_grad(set_to_none=False))."""
+    from halfadam import triton_kernel
+
+    launches, tables = [], []
+    real_launch, real_table = triton_kernel.launch, triton_kernel.tensor_table
+    monkeypatch.setattr(triton_kernel, "launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
+    monkeypatch.setattr(triton_kernel, "tensor_table", lambda *a, **k: tables.append(1) or real_table(*a, **k))
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(10)]).to(DEVICE, torch.bfloat16)
+    opt = halfadam.AdamW(model.parameters(), lr=1e-2, implementation="triton", state_mode="split")
+    for t in range(3):
+        model(torch.randn(2, 8).to(DEVICE, torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert len(launches) == 3 and len(tables) == 1
+    opt.zero_grad(set_to_none=True)
+    model(torch.randn(2, 8).to(DEVICE, torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert len(launches) == 4 and len(tables) == 2
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    code = ("import torch, halfadam\n"
+            "p = torch.nn.Parameter(torch.randn(4).bfloat16())\n"
+            "opt = halfadam.AdamW([p], implementation='triton')\n"
+            "p.grad = torch.ones(4).bfloat16()\n"
+            "try:\n    opt.step()\nexcept RuntimeError as e:\n    print('ERR', e)\n"
+            "print('STEP', float(opt.state[p]['step']) if p in opt.state else 0.0)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(halfadam.__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "ERR implementation='triton' cannot run" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out
+    assert "STEP 0.0" in out.stdout, out.stdout
+
+
+def test_auto_stays_cpp_on_cpu(monkeypatch):
+    """``auto`` picks the Triton kernel on CUDA only: on the CPU it runs the C++ kernel, interpreter or not."""
+    monkeypatch.setattr(executions, "_triton_step", lambda *a, **k: pytest.fail("auto ran Triton on the CPU"))
+    p = torch.nn.Parameter(torch.randn(300).bfloat16())
+    opt = halfadam.AdamW([p], lr=1e-2)
+    p.grad = torch.ones(300).bfloat16()
+    opt.step()
+    assert float(opt.state[p]["step"]) == 1.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_no_host_sync_in_a_cuda_step(mode):
+    """implementation='auto' on CUDA runs the Triton kernel, and its step never waits for the GPU
+    (torch.cuda.set_sync_debug_mode("error") raises on a synchronising call)."""
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda").bfloat16()) for s in SHAPES]
+    opt = halfadam.AdamW(params, lr=1e-2, state_mode=mode)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the first step allocates the state and compiles the kernel
+    called = []
+    real = executions._triton_step
+    try:
+        executions._triton_step = lambda *a, **k: called.append(1) or real(*a, **k)
+        torch.cuda.set_sync_debug_mode("error")
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        executions._triton_step = real
+    assert called
+
+
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+def test_found_inf_on_the_device_skips_inside_the_kernel(flag, monkeypatch):
+    """A launch given a device ``found_inf`` of 1 writes no byte (parameters and state), as torch's fused
+    AdamW; of 0 it is the ordinary step."""
+    from halfadam import triton_kernel
+
+    real = triton_kernel.launch
+    found_inf = torch.tensor([flag], device=DEVICE)
+    monkeypatch.setattr(triton_kernel, "launch", lambda *a, **k: real(*a, **dict(k, found_inf=found_inf)))
+    params, opt = _train("triton", torch.bfloat16, kw=dict(state_mode="compact"), steps=2)
+    monkeypatch.undo()
+    ref_params, ref_opt = _train("reference", torch.bfloat16, kw=dict(state_mode="compact"), steps=2)
+    if flag:
+        for p in params:
+            st = opt.state[p]
+            assert all(not bool(st[k].view(torch.uint8).any()) for k in st if k != "step")
+        fresh = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES[:1]]
+        assert torch.equal(params[0].detach().cpu(), fresh[0].bfloat16())
+    else:
+        _assert_same((params, opt), (ref_params, ref_opt), "found_inf=0")
+
+
+def test_a_launch_that_raises_counts_no_step(monkeypatch):
+    """A failing launch leaves the step counts and global_step; the next step is the run's step 3."""
+    from halfadam import triton_kernel
+
+    kw = dict(state_mode="bf16")
+    params, opt = _train("triton", torch.bfloat16, kw=kw, steps=2, strided=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated launch failure")
+    monkeypatch.setattr(triton_kernel, "launch", broken)
+    grads = {p: torch.randn(p.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, p.dtype) for p in params}
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step(grads=grads)
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * len(params)
+    assert opt.param_groups[0]["global_step"] == 2
+    monkeypatch.undo()
+    opt.step(grads=grads)
+    ref_params, ref_opt = _train("reference", torch.bfloat16, kw=kw, steps=2, strided=False)
+    ref_opt.step(grads={q: grads[p] for p, q in zip(params, ref_params)})
+    _assert_same((params, opt), (ref_params, ref_opt), "after a failed launch")
