@@ -15,6 +15,7 @@ import torch
 import halfadam
 from halfadam import cpu_kernel, executions
 from halfadam import encodings as E
+from conftest import same_bits
 
 CPU = torch.device("cpu")
 TABLES = E.tables(E.PRESETS["compact"], CPU)
@@ -233,12 +234,12 @@ def _train(impl, dtype, cls, kw, steps=4, poison=False):
 def _assert_same(run_a, run_b, what):
     (pa, oa), (pb, ob) = run_a, run_b
     for p, q in zip(pa, pb):
-        assert torch.equal(_bits(p.detach()), _bits(q.detach())), what
+        assert same_bits(p, q), what
     for p, q in zip(pa, pb):
         sa, sb = oa.state[p], ob.state[q]
         assert sa.keys() == sb.keys()
         for k in sa:
-            assert torch.equal(_bits(sa[k]), _bits(sb[k])), (what, k)
+            assert same_bits(sa[k], sb[k]), (what, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])

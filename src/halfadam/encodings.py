@@ -43,7 +43,8 @@ The encodings:
   2**-41; a master beyond fp16's range is lost with the parameter (inf). No remainder is kept over a
   parameter of +-0 or +-inf (either dtype): a master that rounds to zero (|m| <= 2**-25 in float16,
   2**-134 in bfloat16) or to an infinity is that zero or infinity, so that a zero or an infinity
-  written to the parameter is exactly what the fp32 state would hold.
+  written to the parameter is exactly what the fp32 state would hold (the stored remainder over a
+  nan or an infinity is 0).
   Writes to the parameter: the split cannot see them. The decoded master is the written value plus
   the old remainder (within half an ulp of it); where that does not round to the parameter (nan, or
   a zero of the other sign) or the written value is +-0, nan or +-inf, the parameter's value is
@@ -328,9 +329,11 @@ _CONSTANTS: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
 
 # ---------------------------------------------------------------------------------- master weights
 def _split_remainder(master: Tensor, param: Tensor) -> Tensor:
-    """The remainder of ``master`` (fp32) over ``param`` (its rounding, fp16/bf16), int32 in [-2**15, 2**15]."""
+    """The remainder of ``master`` (fp32) over ``param`` (its rounding, fp16/bf16), int32 in [-2**15, 2**15];
+    0 over a nan or an infinity (never decoded: the bytes are then the same on every execution, whatever
+    nan pattern it writes)."""
     if param.dtype == torch.bfloat16:  # difference of bit patterns (same sign: the patterns' signs cancel)
-        return master.view(torch.int32) - _bits(param)
+        return torch.where(param.isfinite(), master.view(torch.int32) - _bits(param), 0)
     r = torch.round((master - param.to(torch.float32)) / _fp16_ulp(param) * 65536.0)
     return torch.where(param.isfinite(), r, 0.0).to(torch.int32)
 

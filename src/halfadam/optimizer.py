@@ -409,12 +409,16 @@ class _AdamBase(torch.optim.Optimizer):
             if not items:
                 continue
             items.sort(key=lambda item: item[0])
-            # One step count: one flat step. Otherwise (step counts that diverged) the reference path,
-            # on the same state views, so that state["step"] keeps torch's per-parameter meaning.
+            # One step count: one flat step. Step counts that diverged (a parameter without a gradient
+            # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
+            # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
             if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
                 flat_step(bucket, items, hp, self.implementation, grad_scale)
             else:
-                rest.extend((bucket.params[i], g) for i, g in items)
+                counts = bucket.steps[[i for i, _ in items]].tolist()
+                for count in sorted(set(counts)):
+                    flat_step(bucket, [it for it, c in zip(items, counts) if c == count], hp, self.implementation,
+                              grad_scale)
         if rest:
             offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
             reference_step(*localize(rest, self.state), hp, grad_scale, self.state_format, offsets)

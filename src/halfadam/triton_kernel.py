@@ -319,11 +319,12 @@ if triton is not None:
         else:  # encodings._split_encode_
             _store_param(param, local, w, pmask, P_DTYPE)
             r32 = _round_to(w, P_DTYPE)
+            finite = tl.abs(r32) < float("inf")  # no remainder over nan or +-inf
             if P_DTYPE == tl.bfloat16:
-                rem = w.to(tl.int32, bitcast=True) - r32.to(tl.int32, bitcast=True)
+                rem = tl.where(finite, w.to(tl.int32, bitcast=True) - r32.to(tl.int32, bitcast=True), 0)
             else:
                 q = _round_half_even(tl.div_rn(w - r32, _fp16_ulp(r32)) * 65536.0)
-                rem = tl.where(tl.abs(r32) < float("inf"), q, 0.0).to(tl.int32)
+                rem = tl.where(finite, q, 0.0).to(tl.int32)
             is_tie = rem == 32768
             first = tl.min(tl.where(is_tie, lanes[None, :], BLOCK_), axis=1)
             tl.store(tie_ptr + bidx, tl.where(first < BLOCK_, first + 1, 0).to(tl.uint8), mask=bmask)

@@ -189,6 +189,7 @@ inline float split_decode1(at::Half, float p, int32_t r) {
 }
 // encodings._split_remainder of w over its rounding rounded (a float32 holding the fp16/bf16 value)
 inline int32_t split_remainder1(at::BFloat16, float w, float rounded) {
+  if (!std::isfinite(rounded)) return 0;  // never decoded; 0 whatever the nan pattern
   return static_cast<int32_t>(float_to_bits(w) - float_to_bits(rounded));
 }
 inline int32_t split_remainder1(at::Half, float w, float rounded) {
@@ -222,16 +223,17 @@ inline V8 split_decode8(at::BFloat16, V8 p, __m256i r) {
 inline V8 split_decode8(at::Half, V8 p, __m256i r) {
   return p + V8(_mm256_cvtepi32_ps(r)) * (fp16_ulp8(p) * V8(1.0f / 65536.0f));
 }
+inline __m256i nonfinite8(V8 x) {  // all bits set where x is nan or +-inf (exponent bits all ones)
+  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(x.x), _mm256_set1_epi32(0x7F800000));
+  return _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
+}
 inline __m256i split_remainder8(at::BFloat16, V8 w, V8 rounded) {
-  return _mm256_sub_epi32(_mm256_castps_si256(w.x), _mm256_castps_si256(rounded.x));
+  return _mm256_andnot_si256(nonfinite8(rounded), _mm256_sub_epi32(_mm256_castps_si256(w.x), _mm256_castps_si256(rounded.x)));
 }
 inline __m256i split_remainder8(at::Half, V8 w, V8 rounded) {
   const V8 q = (w - rounded) / fp16_ulp8(rounded) * V8(65536.0f);
   const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(q.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  // finite: exponent bits not all ones
-  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(rounded.x), _mm256_set1_epi32(0x7F800000));
-  const __m256i nonfinite = _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
-  return _mm256_andnot_si256(nonfinite, r);
+  return _mm256_andnot_si256(nonfinite8(rounded), r);
 }
 #endif
 
