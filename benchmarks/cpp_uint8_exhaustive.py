@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from halfadam import cpu_kernel
+from halfadam.kernels import cpp as cpu_kernel
 from halfadam import encodings as E
 
 

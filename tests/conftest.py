@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors (read when
-# halfadam.triton_kernel is first imported, at the first Triton step).
+# halfadam.kernels.triton is first imported, at the first Triton step).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

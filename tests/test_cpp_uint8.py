@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import halfadam
-from halfadam import cpu_kernel, executions
+from halfadam import executions
+from halfadam.kernels import cpp as cpu_kernel
 from halfadam import encodings as E
 from conftest import same_bits
 

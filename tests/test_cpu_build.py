@@ -1,4 +1,4 @@
-"""The C++ kernel's build cache (:mod:`halfadam.cpu_kernel`), in fresh processes: shared by checkouts
+"""The C++ kernel's build cache (:mod:`halfadam.kernels.cpp`), in fresh processes: shared by checkouts
 of the same version without a rebuild, repaired when damaged, retried once its failure marker is gone.
 
 One build (the module fixture) serves every test, each on its own copy of the cache; only the
@@ -24,7 +24,7 @@ COMPILING = "compiling the C++ CPU kernel"
 # or "load" (print what load() gives).
 SCRIPT = r"""
 import sys, torch, halfadam
-from halfadam import cpu_kernel
+from halfadam.kernels import cpp as cpu_kernel
 assert halfadam.__file__.startswith(sys.argv[1]), halfadam.__file__
 if sys.argv[2] == "load":
     print("loaded" if cpu_kernel.load() is not None else f"unavailable: {cpu_kernel.unavailable_reason()}")

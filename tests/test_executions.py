@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import halfadam
-from halfadam import cpu_kernel, executions
+from halfadam import executions
+from halfadam.kernels import cpp as cpu_kernel
 from halfadam.buckets import Bucket
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

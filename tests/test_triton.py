@@ -193,7 +193,7 @@ def test_uint8_encoder_bytes_are_the_spec(name):
     """The kernel's uint8 encoder and decoder (the functions a step runs) on the C++ kernel test's hard
     values (ties, code and decade boundaries, zero, subnormal and huge block scales, nan and inf):
     ``encodings._encode_moment_``'s codes and absmax bits, ``_decode_moment``'s values."""
-    from halfadam import triton_kernel
+    from halfadam.kernels import triton as triton_kernel
     from test_cpp_uint8 import TABLES, _hard_values, _spec_encode
 
     x = _hard_values(name)
@@ -258,7 +258,7 @@ def _spec_encode_any(dtype, name, x):
 def test_one_launch_per_bucket_and_cached_tables(monkeypatch):
     """A step is one kernel launch per bucket; the work list is kept while the same parameters step, the
     tensor table while the addresses stay (gradients kept by zero_grad(set_to_none=False))."""
-    from halfadam import triton_kernel
+    from halfadam.kernels import triton as triton_kernel
 
     launches, tables = [], []
     real_launch, real_table = triton_kernel.launch, triton_kernel.tensor_table
@@ -327,7 +327,7 @@ def test_no_host_sync_in_a_cuda_step(mode):
 def test_found_inf_on_the_device_skips_inside_the_kernel(flag, monkeypatch):
     """A launch given a device ``found_inf`` of 1 writes no byte (parameters and state), as torch's fused
     AdamW; of 0 it is the ordinary step."""
-    from halfadam import triton_kernel
+    from halfadam.kernels import triton as triton_kernel
 
     real = triton_kernel.launch
     found_inf = torch.tensor([flag], device=DEVICE)
@@ -347,7 +347,7 @@ def test_found_inf_on_the_device_skips_inside_the_kernel(flag, monkeypatch):
 
 def test_a_launch_that_raises_counts_no_step(monkeypatch):
     """A failing launch leaves the step counts and global_step; the next step is the run's step 3."""
-    from halfadam import triton_kernel
+    from halfadam.kernels import triton as triton_kernel
 
     kw = dict(state_mode="bf16")
     params, opt = _train("triton", torch.bfloat16, kw=kw, steps=2, strided=False)

@@ -6,7 +6,7 @@
   float64 ops), then ``adam_elementwise_`` over the flat buffers through :func:`_flat_kernel`, either
   compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``);
   or, for CPU buckets in every state mode (8-bit moments included), the hand-written C++ kernel of
-  :mod:`halfadam.cpu_kernel` (``"cpp"``): the same equations and encodings, bit for bit, one call per
+  :mod:`halfadam.kernels.cpp` (``"cpp"``): the same equations and encodings, bit for bit, one call per
   bucket, reading every gradient and writing every parameter where it lies.
 
 Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets when the kernel builds (it moves each byte once, with no per-call entry cost); otherwise
@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from .buckets import Bucket
-from . import cpu_kernel, encodings
+from . import encodings
+from .kernels import cpp as cpu_kernel
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
@@ -302,9 +303,9 @@ def _uses_triton(bucket: Bucket, implementation: str) -> bool:
 
 
 def _triton():
-    """:mod:`halfadam.triton_kernel`, imported on first use (it imports triton, and reads
+    """:mod:`halfadam.kernels.triton`, imported on first use (it imports triton, and reads
     ``TRITON_INTERPRET`` then)."""
-    from . import triton_kernel
+    from .kernels import triton as triton_kernel
     return triton_kernel
 
 

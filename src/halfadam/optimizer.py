@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import cpu_kernel, hyperparams
+from . import hyperparams
+from .kernels import cpp as cpu_kernel
 from . import state_dict as _state_dict
 from . import encodings
 from ._dtensor import flat_offset, is_dtensor, local, localize
@@ -796,7 +797,7 @@ def _check_writable(p: Tensor, where: str) -> None:
 def _check_pairs(pairs: List[Tuple[Tensor, Any]], params: List[Tensor], where: str) -> None:
     """:func:`_check_grad` and :func:`_check_writable` for every ``(param, grad)`` pair of a group.
 
-    With the C++ kernel loaded (:mod:`halfadam.cpu_kernel`) one call checks them all and the Python
+    With the C++ kernel loaded (:mod:`halfadam.kernels.cpp`) one call checks them all and the Python
     checks run only to name what it rejected; without it, they run pair by pair.
     """
     kernel = cpu_kernel.loaded()
@@ -931,7 +932,7 @@ class AdamW(_AdamBase):
             fp32 buffers, one op per bucket (group, device, dtype). ``"fused"``: that function
             compiled by ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on
             CUDA; the first step compiles, later processes reuse Inductor's cache). ``"cpp"``: a
-            hand-written C++ CPU kernel (:mod:`halfadam.cpu_kernel`, built on first use), one call
+            hand-written C++ CPU kernel (:mod:`halfadam.kernels.cpp`, built on first use), one call
             per bucket over the parameters' own storage, in every state mode. ``"auto"``
             (default): cpp for CPU parameters where it applies and builds, else fused, or foreach
             (with a one-time warning) where compiling fails. Parameters without a gradient leave

@@ -1,6 +1,6 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
-``csrc/adam_cpu.cpp`` holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
+``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
 optimized_update, step, tables)``: one Adam/AdamW step over a list of float16/bfloat16/float32 parameters
 whose state lives in a bucket's flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`), in
 one call (no gathering of gradients or parameters, no per-tensor Python), in every state format (the
@@ -64,7 +64,7 @@ except ImportError:  # Windows: no lock between processes (cpp_extension's own c
 
 __all__ = ["load", "loaded", "unavailable_reason", "SOURCE"]
 
-SOURCE = Path(__file__).with_name("csrc") / "adam_cpu.cpp"
+SOURCE = Path(__file__).with_name("adam_cpu.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without it the loop runs on one
 # thread. The module links libgomp by its soname, so it shares the runtime torch has loaded.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

@@ -2,7 +2,7 @@
 
 The equations are :mod:`halfadam.functional`'s and the encodings :mod:`halfadam.encodings`' (their
 specification), term for term and in the same order of operations, as in the C++ CPU kernel
-(``csrc/adam_cpu.cpp``, whose comments state the per-element steps): every float32 operation is
+(``adam_cpu.cpp`` beside this module, whose comments state the per-element steps): every float32 operation is
 rounded once (the launch turns fused multiply-adds off, divisions and square roots are the IEEE
 ones, ``div_rn``/``sqrt_rn``), so a step computes the same bits as every other execution.
 
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .encodings import BLOCK, V_OCTAVES, _DYN_ZERO, _SALT
+from ..encodings import BLOCK, V_OCTAVES, _DYN_ZERO, _SALT
 
 __all__ = ["available", "unavailable_reason", "launch", "CHUNK", "interpreted"]
 
