@@ -366,3 +366,111 @@ def test_a_launch_that_raises_counts_no_step(monkeypatch):
     ref_params, ref_opt = _train("reference", torch.bfloat16, kw=kw, steps=2, strided=False)
     ref_opt.step(grads={q: grads[p] for p, q in zip(params, ref_params)})
     _assert_same((params, opt), (ref_params, ref_opt), "after a failed launch")
+
+
+# ------------------------------------------------------------------------- capturable=True
+def _capturable_run(capturable, mode, skip_at=2, steps=4, scaler=False):
+    """bf16 parameters, a parameter without a gradient at step 1 (its count lags), a skipped step
+    (``found_inf`` = 1 at ``skip_at``, or an overflowing loss with ``scaler``)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16)) for s in SHAPES]
+    opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation="triton", state_mode=mode,
+                         capturable=capturable)
+    amp = halfadam.GradScaler(init_scale=2.0 ** 8, device=DEVICE.type) if scaler else None
+    for t in range(steps):
+        grads = {p: torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for p in params}
+        if t == 1:
+            del grads[params[1]]
+        if amp is None:
+            opt.step(grads=grads, found_inf=torch.tensor([float(t == skip_at)], device=DEVICE))
+            continue
+        for p in params:  # scaled as a backward of the scaled loss would give them
+            p.grad = None if p not in grads else amp.scale(grads[p])
+        if t == skip_at:
+            params[0].grad.view(-1)[3] = math.inf
+        amp.step(opt)
+        amp.update()
+    return params, opt
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
+def test_capturable_is_the_ordinary_step_bit_for_bit(mode):
+    """capturable=True (step counts on the device, per-parameter coefficients computed there, found_inf
+    read by the kernel) gives the bits of capturable=False, diverged step counts and a skipped step
+    included; the counts are the parameters' device tensors and skip the skipped step."""
+    ref = _capturable_run(False, mode)
+    cap = _capturable_run(True, mode)
+    _assert_same(ref, cap, mode)
+    params, opt = cap
+    steps = [opt.state[p]["step"] for p in params]
+    assert all(s.device == DEVICE for s in steps)
+    assert [float(s) for s in steps] == [3.0, 2.0, 3.0, 3.0, 3.0]
+
+
+def test_capturable_with_the_scaler_never_reads_found_inf_on_the_host(monkeypatch):
+    """halfadam.GradScaler hands a capturable optimizer its found_inf as a device tensor: no .item() or
+    bool() of a tensor inside scaler.step (the overflowing step is skipped by the kernel), and the run
+    equals the same run with capturable=False."""
+    ref = _capturable_run(False, "compact", scaler=True)
+    reads = []
+    real_step = halfadam.GradScaler.step
+
+    def watched(self, optimizer, *args, **kwargs):
+        item, boolean = torch.Tensor.item, torch.Tensor.__bool__
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or boolean(t))
+        try:
+            return real_step(self, optimizer, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "item", item)
+            monkeypatch.setattr(torch.Tensor, "__bool__", boolean)
+    monkeypatch.setattr(halfadam.GradScaler, "step", watched)
+    cap = _capturable_run(True, "compact", scaler=True)
+    assert reads == []
+    _assert_same(ref, cap, "scaler")
+    assert float(cap[1].state[cap[0][0]]["step"]) == 3.0
+
+
+def test_capturable_refuses_what_it_cannot_step():
+    p = torch.nn.Parameter(torch.randn(8, device=DEVICE).bfloat16())
+    with pytest.raises(ValueError, match="capturable=True runs the Triton kernel"):
+        halfadam.AdamW([p], implementation="cpp", capturable=True)
+    with pytest.raises(TypeError, match="capturable must be True or False"):
+        halfadam.AdamW([p], capturable=1)
+    q = torch.nn.Parameter(torch.randn(8, device=DEVICE, dtype=torch.float64))
+    opt = halfadam.AdamW([p, q], implementation="triton", capturable=True)
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(torch.float64\).*reference path"):
+        opt.step()
+    assert not opt.state.get(p) or float(opt.state[p]["step"]) == 0.0
+    assert torch.equal(p.detach(), p.detach().clone())
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_a_captured_step_replays_bitwise_equal_to_the_eager_step(mode):
+    """capturable=True under torch.cuda.graph: after warm-up steps, replaying the captured step gives
+    the bits of the same number of eager steps (same gradients, fixed lr)."""
+    def build():
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g).cuda().bfloat16()) for s in SHAPES]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).cuda().bfloat16()
+        return params, halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, state_mode=mode, capturable=True)
+    eager_params, eager = build()
+    for _ in range(5):
+        eager.step()
+    params, opt = build()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: state, tensor table, compiled kernel
+            opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_same((eager_params, eager), (params, opt), "captured")

@@ -59,7 +59,8 @@ class Bucket:
             allocated on first use (large parameters are written directly).
     """
 
-    def __init__(self, params: List[Tensor], use_master: bool, fmt: StateFormat = StateFormat()):
+    def __init__(self, params: List[Tensor], use_master: bool, fmt: StateFormat = StateFormat(),
+                 steps_on_device: bool = False):
         self.params = list(params)
         self.device = params[0].device
         self.dtype = params[0].dtype
@@ -83,7 +84,8 @@ class Bucket:
         self.block_index: Optional[Tensor] = None
         if self.format.stochastic:
             self.block_index = torch.cat([torch.arange(n // BLOCK, dtype=torch.int32) for n in self.sizes]).to(**on)
-        self.steps = torch.zeros(len(params), dtype=torch.float32)  # CPU, as torch's "step"
+        # CPU, as torch's "step"; on the parameters' device for capturable=True (as torch's)
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device if steps_on_device else "cpu")
         self._uniform_at: Optional[int] = None  # steps._version at which the step counts were all equal
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
@@ -186,11 +188,12 @@ class Bucket:
         return buf
 
 
-def build_buckets(params: List[Tensor], use_master: List[bool], fmt: StateFormat = StateFormat()) -> List[Bucket]:
+def build_buckets(params: List[Tensor], use_master: List[bool], fmt: StateFormat = StateFormat(),
+                  steps_on_device: bool = False) -> List[Bucket]:
     """Split ``params`` (in order) into buckets by :func:`bucket_key`, keeping their order."""
     groups: Dict[tuple, List[Tensor]] = {}
     for p, m in zip(params, use_master):
         key = bucket_key(p, m)
         if key is not None:
             groups.setdefault(key, []).append(p)
-    return [Bucket(ps, key[2], fmt) for key, ps in groups.items()]
+    return [Bucket(ps, key[2], fmt, steps_on_device) for key, ps in groups.items()]

@@ -209,6 +209,36 @@ def _eager_chunks(stored, grad, param, *rest, **kwargs) -> None:
                      None if param is None else param[start:end], *rest, **kwargs)
 
 
+def capturable_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters, implementation: str,
+                    grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    """One Triton launch for the parameters of ``items`` that reads no value on the host (``capturable=True``).
+
+    The step counts live on the bucket's device (``bucket.steps``), so they may differ between the
+    parameters (each gets its own coefficients, computed on the device); ``found_inf`` (a 1-element
+    float32 device tensor or ``None``): where it is nonzero the kernel writes nothing and the counts
+    stay. Every operation is a device operation with the host's numbers baked in (lr, weight decay),
+    so the step can be captured in a CUDA graph once the tensor table is built (a warm-up step).
+
+    Raises:
+        RuntimeError: the Triton kernel cannot run this bucket (``capturable=True`` runs only it).
+    """
+    if not _uses_triton(bucket, "triton" if implementation == "auto" else implementation):
+        raise RuntimeError(f"capturable=True runs the Triton kernel only; implementation={implementation!r} "
+                           f"does not run it")
+    cache = bucket.kernel_cache
+    key = ("index", tuple(i for i, _ in items))
+    index = cache.get(key)
+    if index is None:
+        index = cache[key] = torch.tensor([i for i, _ in items], dtype=torch.int64, device=bucket.device)
+    steps = bucket.steps[index] + 1  # the steps being taken
+    coefficients = adam_coefficients(step=steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                      weight_decay=hp.weight_decay, decay=hp.decay,
+                                      optimized_update=hp.optimized_update)
+    _triton_step(bucket, items, hp, grad_scale, _triton().device_scalars(coefficients, steps), found_inf)
+    taken = torch.ones_like(steps) if found_inf is None else (1 - found_inf.to(steps.dtype)).expand_as(steps)
+    bucket.steps.index_add_(0, index, taken)
+
+
 def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters, implementation: str,
               grad_scale: Optional[Tensor] = None) -> None:
     """One step for the parameters ``bucket.params[i]`` of ``items`` (``(i, grad)`` pairs, ``i`` rising).
@@ -226,7 +256,10 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
     step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
     if _uses_triton(bucket, implementation):
-        _triton_step(bucket, items, hp, grad_scale, int(step))
+        coefficients = adam_coefficients(step=int(step), lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                          weight_decay=hp.weight_decay, decay=hp.decay,
+                                          optimized_update=hp.optimized_update)
+        _triton_step(bucket, items, hp, grad_scale, _triton().scalars(coefficients, int(step), device))
         bucket.advance_steps(subset)
         return
     kernel = _cpp_kernel(bucket, implementation)
@@ -310,15 +343,13 @@ def _triton():
 
 
 def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
-                 grad_scale: Optional[Tensor], step: int) -> None:
+                 grad_scale: Optional[Tensor], scalars: Tensor, found_inf: Optional[Tensor] = None) -> None:
     """One Triton launch for the parameters of ``items``, reading each gradient and writing each parameter
-    where it lies. A non-contiguous parameter goes through its slice of ``bucket.out``; a gradient that
-    is non-contiguous, or of a dtype other than float32 and the parameter's (or of mixed dtypes in
-    one call), through a float32 gradient buffer."""
+    where it lies, with the step's ``scalars`` (:func:`halfadam.kernels.triton.scalars` or
+    ``device_scalars``). A non-contiguous parameter goes through its slice of ``bucket.out``; a
+    gradient that is non-contiguous, or of a dtype other than float32 and the parameter's (or of
+    mixed dtypes in one call), through a float32 gradient buffer."""
     triton_kernel = _triton()
-    coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                      weight_decay=hp.weight_decay, decay=hp.decay,
-                                      optimized_update=hp.optimized_update)
     device = bucket.device
     index = [i for i, _ in items]
     grads = [g for _, g in items]
@@ -353,10 +384,10 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
               triton_kernel.MASTER_FP32 if fmt.master == "fp32" else triton_kernel.MASTER_SPLIT)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
-    triton_kernel.launch(work, table, triton_kernel.scalars(coefficients, step, device), bucket.flat,
-                         encodings.tables(fmt, device), param_dtype=bucket.dtype, grad_dtype=gdtype, master=master,
-                         exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, l2=hp.decay == "l2",
-                         optimized_update=hp.optimized_update, grad_scale=grad_scale)
+    triton_kernel.launch(work, table, scalars, bucket.flat, encodings.tables(fmt, device), param_dtype=bucket.dtype,
+                         grad_dtype=gdtype, master=master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
+                         l2=hp.decay == "l2", optimized_update=hp.optimized_update, grad_scale=grad_scale,
+                         found_inf=found_inf)
     for p, view in staged:
         p.copy_(view)
 

@@ -120,23 +120,25 @@ def adam_coefficients(
     * ``sqrt_bias_correction2``: ``sqrt(1 - b2^t)`` (1 with ``optimized_update``);
     * ``one_minus_beta1``, ``beta2``, ``one_minus_beta2``, ``eps``.
 
-    With Python numbers the results are Python floats (double precision). With tensors they are
-    computed in float64 and returned as 0-d float32 tensors (what a Python scalar argument becomes
-    inside a float32 kernel), so both forms agree to float32 rounding.
+    With Python numbers the results are Python floats (double precision). With tensors (any of
+    ``step``, ``lr``, ``weight_decay``; 0-d, or 1-D for one value per parameter) they are computed in
+    float64 on the tensors' device and returned as float32 tensors of their broadcast shape (what a
+    Python scalar argument becomes inside a float32 kernel), so both forms agree to float32 rounding.
+    The Python numbers among the arguments stay numbers (no host-to-device copy: the computation
+    can be captured in a CUDA graph).
     """
     if decay not in DECAY_MODES:
         raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
     tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
     if tensors:
         device = tensors[0].device
-        step, lr, weight_decay, beta1, beta2, eps = (
-            x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor)
-            else torch.tensor(float(x), dtype=torch.float64, device=device)
-            for x in (step, lr, weight_decay, beta1, beta2, eps)
-        )
-    zero = weight_decay * 0
+        step, lr, weight_decay = (x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor) else float(x)
+                                  for x in (step, lr, weight_decay))
+        zero = torch.zeros(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=torch.float64, device=device)
+    else:
+        zero = 0.0
     if decay == "l2":
-        decay_factor, l2 = zero + 1, weight_decay
+        decay_factor, l2 = zero + 1, zero + weight_decay
     elif decay == "decoupled":
         decay_factor, l2 = 1 - lr * weight_decay, zero
     else:  # "absolute"
@@ -151,7 +153,7 @@ def adam_coefficients(
         sqrt_bias_correction2 = _sqrt(bias_correction2)
     out = (decay_factor, l2, step_size, sqrt_bias_correction2, 1 - beta1, beta2, 1 - beta2, eps)
     if tensors:
-        return tuple(x.float() for x in out)
+        return tuple((zero + x).float() for x in out)
     return tuple(float(x) for x in out)
 
 

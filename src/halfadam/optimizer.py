@@ -22,7 +22,7 @@ from . import state_dict as _state_dict
 from . import encodings
 from ._dtensor import flat_offset, is_dtensor, local, localize
 from .buckets import Bucket, bucket_key, build_buckets
-from .executions import IMPLEMENTATIONS, Hyperparameters, flat_step, reference_step
+from .executions import IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step
 from .functional import DECAY_MODES, sync_master_
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
@@ -65,6 +65,7 @@ class _AdamBase(torch.optim.Optimizer):
         store_param_remainders: Optional[bool] = None,
         exp_avg_dtype: Optional[torch.dtype] = None,
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        capturable: bool = False,
     ):
         if learning_rate is not None:
             if lr is not None:
@@ -77,6 +78,12 @@ class _AdamBase(torch.optim.Optimizer):
         if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         self.implementation = implementation
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be True or False, got {capturable!r}")
+        if capturable and implementation not in ("auto", "triton"):
+            raise ValueError(f"capturable=True runs the Triton kernel (implementation='auto' or 'triton'), "
+                             f"not implementation={implementation!r}")
+        self.capturable = capturable
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
         self._layouts: Dict[int, "_GroupLayout"] = {}
@@ -126,6 +133,7 @@ class _AdamBase(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:  # torch keeps only defaults, state and param_groups
         state = super().__getstate__()
         state["implementation"] = self.implementation
+        state["capturable"] = self.capturable
         state["state_format"] = self.state_format
         state["_order_params"] = self._order_params
         return state
@@ -133,6 +141,7 @@ class _AdamBase(torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         self.implementation = state.pop("implementation", "auto")
+        self.capturable = state.pop("capturable", False)
         self.state_format = state.pop("state_format", encodings.StateFormat())
         self._order_params = state.pop("_order_params", None)
         self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
@@ -372,7 +381,8 @@ class _AdamBase(torch.optim.Optimizer):
                 and layout.ids == ids):
             return layout
         params = group["params"]
-        buckets = build_buckets(params, [self._use_master(p, group) for p in params], self.state_format)
+        buckets = build_buckets(params, [self._use_master(p, group) for p in params], self.state_format,
+                                steps_on_device=self.capturable)
         layout = _GroupLayout(group, self.state, ids, buckets)
         self._layouts[id(group)] = layout
         for p in params:
@@ -389,7 +399,7 @@ class _AdamBase(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
-                   grad_scale: Optional[Tensor]) -> None:
+                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
         """Dispatch one group's step: buckets to the flat path, everything else to the reference.
 
         The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
@@ -410,6 +420,9 @@ class _AdamBase(torch.optim.Optimizer):
             if not items:
                 continue
             items.sort(key=lambda item: item[0])
+            if self.capturable:  # the step counts stay on the device: one launch whatever they are
+                capturable_step(bucket, items, hp, self.implementation, grad_scale, found_inf)
+                continue
             # One step count: one flat step. Step counts that diverged (a parameter without a gradient
             # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
             # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
@@ -546,7 +559,7 @@ class _AdamBase(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None,
-             grad_scale: Optional[Tensor] = None):
+             grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
         """Take one optimization step.
 
         Args:
@@ -560,6 +573,13 @@ class _AdamBase(torch.optim.Optimizer):
                 before the update, or ``None``. This is how :class:`halfadam.GradScaler` hands over
                 still-scaled gradients with the inverse loss scale (times a clipping coefficient),
                 so the fused kernel unscales as it reads them: no unscaled copy is written.
+            found_inf: a 1-element floating tensor, or ``None``; nonzero means "skip": the step then
+                changes no parameter, state or step count (as torch's fused AdamW). With
+                ``capturable=False`` it is read on the host (one synchronisation) and a skipped call
+                also leaves ``global_step``; with ``capturable=True`` it reaches the kernel as a device
+                value and nothing waits for it (``global_step``, a host count for the schedules,
+                then counts the call). This is how :class:`halfadam.GradScaler` hands over its inf/nan
+                check to a capturable optimizer.
 
         Every gradient, key and scheduled hyperparameter is checked before any state changes: a call
         that raises leaves parameters, state and ``global_step`` as they were. (Should a kernel still
@@ -590,6 +610,9 @@ class _AdamBase(torch.optim.Optimizer):
         if grad_scale is not None and not (isinstance(grad_scale, Tensor) and grad_scale.numel() == 1
                                            and grad_scale.is_floating_point()):
             raise TypeError(f"grad_scale must be None or a 1-element floating tensor, got {grad_scale!r}")
+        if found_inf is not None and not (isinstance(found_inf, Tensor) and found_inf.numel() == 1
+                                          and found_inf.is_floating_point()):
+            raise TypeError(f"found_inf must be None or a 1-element floating tensor, got {found_inf!r}")
         plan = []
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
@@ -607,21 +630,39 @@ class _AdamBase(torch.optim.Optimizer):
                 matched += len(pairs)
             pairs = [pg for pg in pairs if pg[1] is not None]
             _check_pairs(pairs, group["params"], where)
+            if self.capturable:
+                self._check_capturable(pairs, group, where)
             plan.append((group, lr, weight_decay, after, pairs))
         if grads is not None and matched != len(grads):
             _raise_foreign_key(grads, self.param_groups)
+        if found_inf is not None and not self.capturable:
+            if found_inf.item() != 0:
+                return loss
+            found_inf = None
 
         for group, lr, weight_decay, after, pairs in plan:
             if pairs:
                 beta1, beta2 = group["betas"]
                 hp = Hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=weight_decay,
                                      decay=group["decay"], optimized_update=group["optimized_update"])
-                self._run_group(group, pairs, hp, grad_scale)
+                self._run_group(group, pairs, hp, grad_scale, found_inf)
         for group, lr, weight_decay, after, pairs in plan:  # the schedules move once every group has stepped
             group["global_step"] += 1
             group.update((k, v) for k, v in after.items() if v is not None)
             self._written[id(group)] = (group["lr"], group["weight_decay"])
         return loss
+
+    def _check_capturable(self, pairs: List[Tuple[Tensor, Tensor]], group: Dict[str, Any], where: str) -> None:
+        """ValueError for a parameter a capturable step cannot take: one outside the buckets (float64,
+        a DTensor, a half parameter without master weights, a frozen one) runs the reference path,
+        which reads its step count on the host."""
+        for j, (p, _) in enumerate(pairs):
+            if bucket_key(p, self._use_master(p, group)) is None:
+                k = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ValueError(
+                    f"{where}['params'][{k}] ({p.dtype}{', a DTensor' if is_dtensor(p) else ''}) takes the "
+                    f"per-parameter reference path, which reads its step count on the host: capturable=True "
+                    f"steps float32 parameters and float16/bfloat16 ones with master weights")
 
     def _warn_if_overridden(self, group: Dict[str, Any], where: str) -> None:
         """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
@@ -946,9 +987,17 @@ class AdamW(_AdamBase):
         store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype: override the preset's fields
             (Megatron's names): split masters on/off; ``torch.float32``, ``torch.bfloat16`` or
             ``torch.uint8`` (8-bit block-wise) for each moment.
-        amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's flags,
-            accepted at their "off" values (False; ``foreach``/``fused`` None or False), so code
-            written for torch runs unchanged; any other value is a ValueError.
+        capturable: torch's name: the step reads no value on the host, so it can be captured in a
+            CUDA graph (``torch.cuda.graph``; build the tensor table with a warm-up step first, and
+            keep the gradients' storage: ``zero_grad(set_to_none=False)``). The step counts then live
+            on the parameters' device, ``step(found_inf=...)`` skips inside the kernel, and the lr
+            and weight decay of each call are baked into a captured graph (as torch's with float
+            lr). Runs the Triton kernel only (``implementation="auto"`` or ``"triton"``; CUDA, or CPU
+            tensors under ``TRITON_INTERPRET=1``); parameters of the reference path (float64,
+            DTensor, half without master weights) are a ValueError at the step.
+        amsgrad, maximize, foreach, differentiable, fused: torch.optim.AdamW's flags, accepted at
+            their "off" values (False; ``foreach``/``fused`` None or False), so code written for
+            torch runs unchanged; any other value is a ValueError.
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
@@ -976,13 +1025,13 @@ class AdamW(_AdamBase):
                  state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
                  exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
-        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="decoupled", optimized_update=False,
                          master_weights=master_weights, implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
-                         exp_avg_sq_dtype=exp_avg_sq_dtype)
+                         exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
 
 
 class Adam(_AdamBase):
@@ -998,13 +1047,13 @@ class Adam(_AdamBase):
                  state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
                  exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
-        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+        _check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
                          weight_decay=weight_decay, decay="l2", optimized_update=False,
                          master_weights=master_weights, implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
-                         exp_avg_sq_dtype=exp_avg_sq_dtype)
+                         exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
 
 
 class WeightDecay:
@@ -1057,7 +1106,8 @@ class AdamFP16(_AdamBase):
                  weight_decay: WeightDecay = WeightDecay(), optimized_update: bool = True, *,
                  learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
                  state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None):
+                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
+                 capturable: bool = False):
         if not isinstance(weight_decay, WeightDecay):
             raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
@@ -1065,7 +1115,7 @@ class AdamFP16(_AdamBase):
                          optimized_update=optimized_update, master_weights=master_weights,
                          implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
-                         exp_avg_sq_dtype=exp_avg_sq_dtype)
+                         exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
 
 
 class _GroupLayout:

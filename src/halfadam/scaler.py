@@ -91,6 +91,11 @@ def _global_norm(grads: List[Tensor], norm_type: float = 2.0, shard_group: Any =
     return total_norm(grads, norm_type, shard_group=shard_group, dtype=acc).double()
 
 
+def _capturable(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a halfadam optimizer with ``capturable=True`` (it takes ``found_inf``)."""
+    return halfadam_optimizer(optimizer) is optimizer and getattr(optimizer, "capturable", False)
+
+
 def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
     """Multiply ``tensors`` by ``inv_scale`` in place; set ``found_inf`` to 1.0 if any holds inf/nan.
 
@@ -553,7 +558,13 @@ class GradScaler:
         if self._max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
-        if st["found_inf"].item() == 0.0:
+        if _capturable(optimizer):  # the skip happens inside the kernel: nothing waits for found_inf
+            if fp16_edit:
+                self._warn_fp16_edit()
+            if st["grads"] is not None:
+                kwargs = dict(kwargs, grads=st["grads"])
+            result = optimizer.step(*args, found_inf=st["found_inf"], **kwargs)
+        elif st["found_inf"].item() == 0.0:
             if fp16_edit:  # said when a step uses it (a skipped step's nan from a clip is no news)
                 self._warn_fp16_edit()
             if st["grads"] is not None:
@@ -588,7 +599,9 @@ class GradScaler:
             self.last_grad_norm = total.float()
             grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0).float()
         result = None
-        if st["found_inf"].item() == 0.0:
+        if _capturable(optimizer):  # the skip happens inside the kernel: nothing waits for found_inf
+            result = optimizer.step(*args, grad_scale=grad_scale, found_inf=st["found_inf"], **kwargs)
+        elif st["found_inf"].item() == 0.0:
             result = optimizer.step(*args, grad_scale=grad_scale, **kwargs)
         st["stage"] = _STEPPED
         return result

@@ -235,7 +235,8 @@ if triton is not None:
                      dyn_ptr, decades_ptr, levels_ptr,
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_FOUND_INF: tl.constexpr, NB: tl.constexpr, BLOCK_: tl.constexpr):
+                     HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, NB: tl.constexpr,
+                     BLOCK_: tl.constexpr):
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0.0:
                 return
@@ -258,8 +259,9 @@ if triton is not None:
         eidx = offset + local  # flat state buffers
         bidx = (offset + start) // BLOCK_ + blocks
         position = (position0 + local).to(tl.uint32)
-        seed = tl.load(scalars_ptr + 9).to(tl.uint32, bitcast=True)
-        c = scalars_ptr.to(tl.pointer_type(tl.float32))
+        scalars_row = scalars_ptr + SCALARS_STRIDE * t  # one row for all, or one per tensor (capturable)
+        seed = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True)
+        c = scalars_row.to(tl.pointer_type(tl.float32))
         decay_factor = tl.load(c)
         l2 = tl.load(c + 1)
         step_size = tl.load(c + 2)
@@ -391,15 +393,26 @@ def scalars(coefficients: Tuple[float, ...], step: int, device: torch.device) ->
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def device_scalars(coefficients: Tuple[Tensor, ...], steps: Tensor) -> Tensor:
+    """The scalars of :func:`scalars`, one row per tensor, computed on the device (int32 ``[n, 10]``):
+    ``coefficients`` are :func:`halfadam.functional.adam_coefficients` of a 1-D step tensor, ``steps``
+    the steps being taken (float32, one per tensor). No host value is read (capturable)."""
+    columns = [c.reshape(-1).expand(steps.numel()).view(torch.int32) for c in coefficients]
+    columns += [torch.zeros_like(columns[0]), steps.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)]
+    return torch.stack(columns, 1)
+
+
 def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tensor], tables, *,
            param_dtype: torch.dtype, grad_dtype: torch.dtype, master: int, exp_avg: torch.dtype,
            exp_avg_sq: torch.dtype, l2: bool, optimized_update: bool, grad_scale: Optional[Tensor] = None,
            found_inf: Optional[Tensor] = None) -> None:
     """One launch of the kernel over the programs of ``work`` (see the module docstring).
 
-    ``stored``: the bucket's flat state buffers by key (:func:`halfadam.encodings.element_keys`,
-    :func:`~halfadam.encodings.block_keys`); ``tables``: :func:`halfadam.encodings.tables` (uint8
-    moments) or ``None``; ``grad_scale``, ``found_inf``: 1-element float32 device tensors or ``None``.
+    ``scalars_``: :func:`scalars` (one row for every tensor) or :func:`device_scalars` (a row per
+    tensor-table row); ``stored``: the bucket's flat state buffers by key
+    (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`); ``tables``:
+    :func:`halfadam.encodings.tables` (uint8 moments) or ``None``; ``grad_scale``, ``found_inf``:
+    1-element float32 device tensors or ``None``.
     """
     dummy = scalars_
     get = lambda key: stored.get(key, dummy)  # noqa: E731
@@ -410,7 +423,8 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
         stored["exp_avg_sq"], get("exp_avg_absmax"), get("exp_avg_sq_absmax"), dyn, decades, levels,
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
-        HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None, NB=BLOCKS_PER_PROGRAM,
+        HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, NB=BLOCKS_PER_PROGRAM,
         BLOCK_=BLOCK, enable_fp_fusion=False)
 
 
