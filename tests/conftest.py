@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors (read when
-# halfadam.kernels.triton is first imported, at the first Triton step).
+# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors (Triton reads the
+# variable at each launch; spawned processes of the distributed tests inherit it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -23,8 +23,9 @@ reach the kernel as one small device tensor, the loss scale and ``found_inf`` as
 a launch waits for nothing on the host, and a set ``found_inf`` makes the kernel write nothing
 (as torch's fused AdamW).
 
-On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, read when this
-module is imported): that is how the test suite checks it without a GPU.
+On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, as Triton reads
+it: ``triton.knobs.runtime.interpret``, at each launch): that is how the test suite checks it without
+a GPU.
 """
 
 from __future__ import annotations
@@ -53,8 +54,14 @@ except Exception as exc:  # not installed, or no usable backend
 
 
 def interpreted() -> bool:
-    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): they then take CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` true, as Triton parses it):
+    they then take CPU tensors."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton before 3.4
 
 
 def available(device: torch.device) -> bool:
