@@ -9,6 +9,8 @@ runs, which need no process group). A failing scenario records its traceback ins
 
 from __future__ import annotations
 
+import importlib.util
+
 import hashlib
 import inspect
 import os
@@ -20,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import halfadam
+from conftest import HAS_TRITON
 import halfadam.distributed as hd
 
 dist = torch.distributed
@@ -354,14 +357,22 @@ def scenario_state_modes(rank, out):
     opt_c = make_opt(c.parameters(), **bf16_moments, **SAME_EXECUTION)
     d = make_model(torch.bfloat16)  # the unsharded reference of FSDP2's run
     opt_d = make_opt(d.parameters(), **bf16_moments, **SAME_EXECUTION)
+    # FSDP2 through the Triton kernel (its local shards, state in the tensor table; the interpreter on CPU)
+    e = _fsdp(make_model(torch.bfloat16)) if importlib.util.find_spec("triton") else None
+    opts = [opt_a, zero, opt_c, opt_d]
+    if e is not None:
+        opts.append(make_opt(e.parameters(), **bf16_moments, implementation="triton"))
     for t in range(STEPS):
-        for o in (opt_a, zero, opt_c, opt_d):
+        for o in opts:
             o.zero_grad(set_to_none=True)
         loss_fn(ddp, x[t, rows], y[t, rows]).backward()
-        for pa, pb, pc, pd in zip(a.parameters(), b.parameters(), c.parameters(), d.parameters()):
+        for k, (pa, pb, pc, pd) in enumerate(zip(a.parameters(), b.parameters(), c.parameters(), d.parameters())):
             pb.grad, pd.grad = pa.grad.clone(), pa.grad.clone()
             pc.grad = distribute_tensor(pa.grad.clone(), pc.device_mesh, pc.placements)
-        for o in (opt_a, zero, opt_c, opt_d):
+            if e is not None:
+                pe = list(e.parameters())[k]
+                pe.grad = distribute_tensor(pa.grad.clone(), pe.device_mesh, pe.placements)
+        for o in opts:
             o.step()
     try:
         make_opt(c.parameters(), state_mode="compact")
@@ -376,6 +387,8 @@ def scenario_state_modes(rank, out):
         "fsdp_exp_avg": [(hd.is_dtensor(opt_c.state[pc]["exp_avg"]), str(opt_c.state[pc]["exp_avg"].dtype))
                          for pc in c.parameters()],
         "fsdp_compact_refused": refused,
+        "fsdp_triton_equal_unsharded": None if e is None else all(
+            torch.equal(full(pe), pd) for pe, pd in zip(e.parameters(), d.parameters())),
     }
 
 
@@ -591,3 +604,5 @@ def test_state_modes_ddp_zero_fsdp(runs):
         assert r["fsdp_equal_unsharded"]
         assert r["fsdp_exp_avg"] == [(True, "torch.bfloat16")] * 4
         assert "DTensor" in r["fsdp_compact_refused"] and "state_mode='fp32'" in r["fsdp_compact_refused"]
+        if HAS_TRITON:  # FSDP2's local shards through the Triton kernel: the unsharded run's bits
+            assert r["fsdp_triton_equal_unsharded"] is True

@@ -318,21 +318,72 @@ def _uses_triton(bucket: Bucket, implementation: str) -> bool:
     Raises:
         RuntimeError: ``implementation="triton"`` where the kernel cannot run (the reason is in the message).
     """
+    return _triton_runs(bucket.device, implementation, f"this bucket ({bucket.device}, {bucket.format.describe()})")
+
+
+def _triton_runs(device: torch.device, implementation: str, what: str) -> bool:
+    """:func:`_uses_triton` for tensors on ``device`` (``what`` names them in the error)."""
     if implementation == "triton":
-        reason = _triton().unavailable_reason(bucket.device)
+        reason = _triton().unavailable_reason(device)
         if reason is not None:
-            raise RuntimeError(f"implementation='triton' cannot run this bucket ({bucket.device}, "
-                               f"{bucket.format.describe()}): {reason}; use implementation='auto'")
+            raise RuntimeError(f"implementation='triton' cannot run {what}: {reason}; use implementation='auto'")
         return True
-    if implementation != "auto" or bucket.device.type != "cuda":
+    if implementation != "auto" or device.type != "cuda":
         return False
     triton_kernel = _triton()
-    use = triton_kernel.available(bucket.device)
-    if bucket.device.type not in _auto_logged:
-        _auto_logged.add(bucket.device.type)
+    use = triton_kernel.available(device)
+    if device.type not in _auto_logged:
+        _auto_logged.add(device.type)
         _log.info("halfadam: implementation='auto' runs %s on %s", "the Triton kernel ('triton')" if use else
-                  f"'fused' (torch.compile): {triton_kernel.unavailable_reason(bucket.device)}", bucket.device.type)
+                  f"'fused' (torch.compile): {triton_kernel.unavailable_reason(device)}", device.type)
     return use
+
+
+def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
+               implementation: str, grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat(),
+               offsets: Optional[List[int]] = None) -> List[int]:
+    """Triton launches for parameters whose state tensors are their own (FSDP2's local shards, whose
+    state stays DTensors sharded like them for DCP): the tensor table carries each one's state
+    addresses, one launch per (device, dtype, state format, step count). Takes the parameters the
+    kernel runs (``implementation`` "triton", or "auto" on CUDA) in formats without per-block state;
+    ``offsets``: each shard's first element in its whole parameter (the random bits' positions).
+    Returns the indices of ``pairs`` it did not take (for :func:`reference_step`)."""
+    left, groups = [], {}
+    for k, (p, g) in enumerate(pairs):
+        st = state[p]
+        with_master = encodings.has_master(st)
+        pfmt = for_param(fmt, p, with_master)
+        takes = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
+            and p.is_contiguous() and not encodings.block_keys(pfmt, with_master) \
+            and _triton_runs(p.device, implementation, f"a parameter shard on {p.device}")
+        if takes:
+            groups.setdefault((p.device, p.dtype, pfmt, with_master, int(st["step"].item())), []).append(k)
+        else:
+            left.append(k)
+    triton_kernel = _triton()
+    for (device, dtype, pfmt, with_master, step), ks in groups.items():
+        params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
+        gdtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
+        if gdtype not in (torch.float32, dtype):
+            gdtype = torch.float32
+        grads = [g.to(gdtype).contiguous() for g in grads]
+        numels = [p.numel() for p in params]
+        table = triton_kernel.tensor_table(params, grads, numels, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
+                                           device, states=[state[pairs[k][0]] for k in ks])
+        coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                          weight_decay=hp.weight_decay, decay=hp.decay,
+                                          optimized_update=hp.optimized_update)
+        master = (triton_kernel.MASTER_NONE if not with_master else
+                  triton_kernel.MASTER_FP32 if pfmt.master == "fp32" else triton_kernel.MASTER_SPLIT)
+        triton_kernel.launch(triton_kernel.work_list(numels, device), table,
+                             triton_kernel.scalars(coefficients, step + 1, device), {}, encodings.tables(pfmt, device),
+                             param_dtype=dtype, grad_dtype=gdtype, master=master, exp_avg=pfmt.exp_avg,
+                             exp_avg_sq=pfmt.exp_avg_sq, l2=hp.decay == "l2", optimized_update=hp.optimized_update,
+                             grad_scale=None if grad_scale is None else
+                             grad_scale.to(device=device, dtype=torch.float32).reshape(1))
+        for k in ks:
+            state[pairs[k][0]]["step"] += 1
+    return left
 
 
 def _triton():

@@ -22,7 +22,7 @@ from . import state_dict as _state_dict
 from . import encodings
 from ._dtensor import flat_offset, is_dtensor, local, localize
 from .buckets import Bucket, bucket_key, build_buckets
-from .executions import IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step
+from .executions import IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step, shard_step
 from .functional import DECAY_MODES, sync_master_
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
@@ -435,7 +435,14 @@ class _AdamBase(torch.optim.Optimizer):
                               grad_scale)
         if rest:
             offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
-            reference_step(*localize(rest, self.state), hp, grad_scale, self.state_format, offsets)
+            local_pairs, local_state = localize(rest, self.state)
+            if self.implementation in ("auto", "triton") and any(is_dtensor(p) for p, _ in rest):
+                # FSDP2's local shards: one Triton launch per step count where the kernel runs
+                left = shard_step(local_pairs, local_state, hp, self.implementation, grad_scale,
+                                  self.state_format, offsets)
+                local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
+            if local_pairs:
+                reference_step(local_pairs, local_state, hp, grad_scale, self.state_format, offsets)
 
     def _sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
                     layout: Optional["_GroupLayout"]) -> Optional[tuple]:

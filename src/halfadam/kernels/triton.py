@@ -84,8 +84,12 @@ MASTER_NONE, MASTER_FP32, MASTER_SPLIT = 0, 1, 2
 MOMENT_FP32, MOMENT_BF16, MOMENT_UINT8 = 0, 1, 2
 _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.uint8: MOMENT_UINT8}
 
-#: Columns of the tensor table.
-TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position")
+#: Columns of the tensor table: addresses of the parameter and its gradient, element count, elements in
+#: the state buffers, offset in them, position of the first element in the whole parameter, then (for
+#: tensors whose state is their own, not a bucket's: FSDP2's local shards) the state tensors' addresses.
+STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_sq",
+                 "exp_avg_absmax", "exp_avg_sq_absmax")
+TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position") + STATE_COLUMNS
 
 if triton is not None:
     @triton.jit
@@ -237,26 +241,44 @@ if triton is not None:
             tl.store(absmax_ptr + bidx, tl.where(flagged, -absmax, absmax), mask=bmask)
 
     @triton.jit
+    def _moment_ptr(address, KIND: tl.constexpr):
+        if KIND == 0:
+            return address.to(tl.pointer_type(tl.float32))
+        elif KIND == 1:
+            return address.to(tl.pointer_type(tl.bfloat16))
+        else:
+            return address.to(tl.pointer_type(tl.uint8))
+
+    @triton.jit
     def _adam_kernel(work_ptr, table_ptr, scalars_ptr, grad_scale_ptr, found_inf_ptr,
                      master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_absmax_ptr, v_absmax_ptr,
                      dyn_ptr, decades_ptr, levels_ptr,
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, NB: tl.constexpr,
-                     BLOCK_: tl.constexpr):
+                     HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, STATE_IN_TABLE: tl.constexpr,
+                     NB: tl.constexpr, BLOCK_: tl.constexpr):
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0.0:
                 return
         pid = tl.program_id(0)
         t = tl.load(work_ptr + 2 * pid)
         start = tl.load(work_ptr + 2 * pid + 1)
-        row = table_ptr + 6 * t
+        row = table_ptr + 14 * t
         param = tl.load(row).to(tl.pointer_type(P_DTYPE))
         grad = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
         numel = tl.load(row + 2)
         size = tl.load(row + 3)  # its elements in the state buffers: numel, padded to whole blocks when blocked
         offset = tl.load(row + 4)
         position0 = tl.load(row + 5)
+        if STATE_IN_TABLE:  # the tensor's own state tensors (offset 0 in them)
+            master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+            hi_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int8))
+            lo_ptr = tl.load(row + 8).to(tl.pointer_type(tl.uint8))
+            tie_ptr = tl.load(row + 9).to(tl.pointer_type(tl.uint8))
+            m_ptr = _moment_ptr(tl.load(row + 10), M_KIND)
+            v_ptr = _moment_ptr(tl.load(row + 11), V_KIND)
+            m_absmax_ptr = tl.load(row + 12).to(tl.pointer_type(tl.float32))
+            v_absmax_ptr = tl.load(row + 13).to(tl.pointer_type(tl.float32))
         blocks = tl.arange(0, NB)
         lanes = tl.arange(0, BLOCK_)
         local = start + blocks[:, None] * BLOCK_ + lanes[None, :]  # int64, index in the flattened parameter
@@ -379,10 +401,13 @@ def work_list(sizes: List[int], device: torch.device) -> Tensor:
 
 
 def tensor_table(params: List[Tensor], grads: List[Tensor], sizes: List[int], offsets: List[int],
-                 positions: List[int], device: torch.device) -> Tensor:
-    """The tensor table (int64 ``[len(params), 6]``, :data:`TABLE_COLUMNS`); on a GPU copied without waiting."""
-    rows = [[p.data_ptr(), g.data_ptr(), p.numel(), n, o, q]
-            for p, g, n, o, q in zip(params, grads, sizes, offsets, positions)]
+                 positions: List[int], device: torch.device, states: Optional[List[Dict[str, Tensor]]] = None
+                 ) -> Tensor:
+    """The tensor table (int64 ``[len(params), 14]``, :data:`TABLE_COLUMNS`; the state columns from
+    ``states``, each tensor's own state, else 0); on a GPU copied without waiting."""
+    own = [[st[k].data_ptr() if k in st else 0 for k in STATE_COLUMNS] for st in states] if states else None
+    rows = [[p.data_ptr(), g.data_ptr(), p.numel(), n, o, q] + (own[i] if own else [0] * len(STATE_COLUMNS))
+            for i, (p, g, n, o, q) in enumerate(zip(params, grads, sizes, offsets, positions))]
     host = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cpu":
         return host
@@ -416,22 +441,23 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
     """One launch of the kernel over the programs of ``work`` (see the module docstring).
 
     ``scalars_``: :func:`scalars` (one row for every tensor) or :func:`device_scalars` (a row per
-    tensor-table row); ``stored``: the bucket's flat state buffers by key
+    tensor-table row); ``stored``: the bucket's flat state buffers by key (empty: each tensor's own state
+    tensors are in the table)
     (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`); ``tables``:
     :func:`halfadam.encodings.tables` (uint8 moments) or ``None``; ``grad_scale``, ``found_inf``:
     1-element float32 device tensors or ``None``.
     """
     dummy = scalars_
-    get = lambda key: stored.get(key, dummy)  # noqa: E731
+    get = lambda key: stored.get(key, dummy)  # noqa: E731  (stored empty: the state is in the table)
     dyn, decades, levels = tables if tables is not None else (dummy, dummy, dummy)
     _adam_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
-        get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), stored["exp_avg"],
-        stored["exp_avg_sq"], get("exp_avg_absmax"), get("exp_avg_sq_absmax"), dyn, decades, levels,
+        get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), get("exp_avg"),
+        get("exp_avg_sq"), get("exp_avg_absmax"), get("exp_avg_sq_absmax"), dyn, decades, levels,
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, NB=BLOCKS_PER_PROGRAM,
+        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, NB=BLOCKS_PER_PROGRAM,
         BLOCK_=BLOCK, enable_fp_fusion=False)
 
 
