@@ -34,7 +34,7 @@ def main():
     if a.threads:
         torch.set_num_threads(a.threads)
     n = a.numel
-    ps = _make_params(n, a.tensors, torch.float16, "cpu", 0)
+    ps = _make_params(dict(numel=n, tensors=a.tensors), torch.float16, "cpu", 0)
     opt = halfadam.AdamW(ps, lr=1e-3, weight_decay=0.01, implementation="fused")
     opt.step()
     b = opt._group_layout(opt.param_groups[0]).buckets[0]
@@ -58,7 +58,7 @@ def main():
 
     flat_grad = torch.cat([g.view(-1) for g in grads])
     flat_out = torch.empty(n, dtype=torch.float16)
-    tp = _make_params(n, a.tensors, torch.float32, "cpu", 0)
+    tp = _make_params(dict(numel=n, tensors=a.tensors), torch.float32, "cpu", 0)
     topt = torch.optim.AdamW(tp, lr=1e-3, weight_decay=0.01, fused=True)
     topt.step()
     src = torch.empty(n * 7, dtype=torch.float32)  # 28 B/param: read 14 B, write 14 B

@@ -131,3 +131,18 @@ def test_a_failing_reference_column_in_json(capsys, monkeypatch):
     others = [r for r in rows if "failed" not in r]
     assert len(others) == 5 and all(r["ms"] > 0 and r["vs_torch_fused"] is None for r in others)
     assert captured.err.count("\n") == 1 and "1 of 6 configurations failed" in captured.err
+
+
+def test_gpt_case_has_the_real_shapes():
+    """--gpt: the 1.3B GPT's parameter list (GPT-3 XL sizes): 292 tensors, 1,315,723,264 elements,
+    built in those shapes (here a 2-layer, width-8 one, for size)."""
+    import math
+
+    import torch
+
+    shapes = bench.gpt_shapes()
+    assert len(shapes) == 292 and sum(math.prod(s) for s in shapes) == 1_315_723_264
+    small = bench.gpt_shapes(layers=2, width=8, vocab=11, context=5)
+    params = bench._make_params(dict(numel=sum(math.prod(s) for s in small), tensors=len(small), shapes=small),
+                                torch.bfloat16, "cpu", 0)
+    assert [tuple(p.shape) for p in params] == small and all(p.grad.shape == p.shape for p in params)

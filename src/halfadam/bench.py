@@ -61,12 +61,26 @@ OVERHEAD_CASE = "overhead 20000/2000"
 TORCH_VARIANTS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
+def gpt_shapes(layers: int = 24, width: int = 2048, vocab: int = 50257, context: int = 2048) -> List[tuple]:
+    """The parameter shapes of a GPT-2-style model, by default the 1.3B-parameter one (GPT-3 XL's
+    sizes: 24 layers of width 2048, 50,257 tokens, 2,048 positions): 292 tensors, 1.316B elements."""
+    shapes = [(vocab, width), (context, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (3 * width, width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (4 * width, width), (4 * width,), (width, 4 * width), (width,)]
+    return shapes + [(width,), (width,)]
+
+
 def _cases(args) -> List[Dict[str, Any]]:
     cases = []
     for size in args.sizes:
         cases.append(dict(name=f"{_fmt(size)}/{args.tensors}", numel=size, tensors=args.tensors))
     if args.large:
         cases.append(dict(name=f"100M/{args.tensors}", numel=100_000_000, tensors=args.tensors))
+    if getattr(args, "gpt", False):
+        shapes = gpt_shapes()
+        numel = sum(math.prod(s) for s in shapes)
+        cases.append(dict(name=f"gpt-1.3B/{len(shapes)}", numel=numel, tensors=len(shapes), shapes=shapes))
     if not args.no_small:
         cases.append(dict(name="many-small 2M/2000", numel=2_000_000, tensors=2000))
         cases.append(dict(name=OVERHEAD_CASE, numel=20_000, tensors=2000))
@@ -77,14 +91,21 @@ def _fmt(n: int) -> str:
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else str(n)
 
 
-def _make_params(numel: int, tensors: int, dtype: torch.dtype, device: str, seed: int) -> List[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    per = numel // tensors
+def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> List[torch.Tensor]:
+    """The case's parameters (``case["shapes"]``, or ``numel`` split into ``tensors`` equal 1-D tensors)
+    with gradients; values drawn on the CPU, or on the device for a shapes case (a 1.3B model)."""
+    numel, tensors = case["numel"], case["tensors"]
+    if "shapes" in case:
+        g = torch.Generator(device=device).manual_seed(seed)
+        shapes, on = case["shapes"], dict(device=device)
+    else:
+        g, on = torch.Generator().manual_seed(seed), {}
+        per = numel // tensors
+        shapes = [(per if i < tensors - 1 else numel - per * (tensors - 1),) for i in range(tensors)]
     params = []
-    for i in range(tensors):
-        n = per if i < tensors - 1 else numel - per * (tensors - 1)
-        p = (torch.randn(n, generator=g) * 0.02).to(device=device, dtype=dtype).requires_grad_()
-        p.grad = (torch.randn(n, generator=g) * 1e-3).to(device=device, dtype=dtype)
+    for shape in shapes:
+        p = (torch.randn(shape, generator=g, **on) * 0.02).to(device=device, dtype=dtype).requires_grad_()
+        p.grad = (torch.randn(shape, generator=g, **on) * 1e-3).to(device=device, dtype=dtype)
         params.append(p)
     return params
 
@@ -160,7 +181,7 @@ def measure(args) -> List[Dict[str, Any]]:
 
         def add(label, dtype, build):
             try:
-                configs.append([label, build(_make_params(case["numel"], case["tensors"], dtype, args.device, 0)),
+                configs.append([label, build(_make_params(case, dtype, args.device, 0)),
                                 None])
             except Exception as exc:
                 configs.append([label, None, _failure(exc)])
@@ -298,6 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="comma-separated parameter counts (default 1e6,2e7), split into --tensors tensors")
     parser.add_argument("--tensors", type=_positive_int, default=50, help="tensors per size case (default 50)")
     parser.add_argument("--large", action="store_true", help="also 100M parameters (needs ~10 GB)")
+    parser.add_argument("--gpt", action="store_true",
+                        help="also the parameter list of a 1.3B-parameter GPT (292 tensors of its real shapes; "
+                             "about 20 GB per configuration: choose few --impls/--state-modes)")
     parser.add_argument("--no-small", action="store_true",
                         help="skip the many-small-tensors case (2000 tensors, 2M) and the overhead case (2000 tensors "
                              "of 10 elements)")

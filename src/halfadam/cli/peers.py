@@ -100,6 +100,16 @@ def _deepspeed_cpu_adam(params, *, lr, weight_decay):
     return DeepSpeedCPUAdam(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, adamw_mode=True)
 
 
+def _te_fused_adam(params, *, lr, weight_decay):
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    # adam_w_mode=True (its default) is decoupled decay, w -= lr * wd * w, as torch's. master_weights
+    # with store_param_remainders: an fp32 master kept as the bf16 parameter plus a 16-bit remainder
+    # (halfadam's "split"), fp32 moments: 10 B/param. CUDA only.
+    return FusedAdam(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, master_weights=True,
+                     store_param_remainders=True)
+
+
 _PEER_LIST = [
     Peer("bf16-optimi-kahan", "torch-optimi", "optimi", "optimi.AdamW(kahan_sum=True)",
          "optimi.AdamW with Kahan summation on bfloat16 parameters, no master weights: bf16 exp_avg, "
@@ -123,6 +133,10 @@ _PEER_LIST = [
     Peer("fp32-deepspeed-cpuadam", "deepspeed", "deepspeed", "deepspeed.ops.adam.DeepSpeedCPUAdam",
          "DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) on float32 parameters: float32 moments (8 B/param)",
          _deepspeed_cpu_adam, param_dtype=torch.float32, probe=True, bench_only=True),
+    Peer("bf16-te-fusedadam", "transformer-engine", "transformer_engine",
+         "transformer_engine.pytorch.optimizers.FusedAdam(master_weights=True, store_param_remainders=True)",
+         "Transformer Engine's FusedAdam on bfloat16 parameters (CUDA): fp32 master as the parameter plus a "
+         "16-bit remainder, fp32 moments (10 B/param)", _te_fused_adam, probe=True, bench_only=True),
 ]
 
 #: Every peer by name, in the order they are added.
