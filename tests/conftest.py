@@ -49,6 +49,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def assert_same_runs(run_a, run_b, what) -> None:
+    """Two ``(params, optimizer)`` runs hold the same parameters and state tensors, bit for bit
+    (:func:`same_bits`)."""
+    (pa, oa), (pb, ob) = run_a, run_b
+    for p, q in zip(pa, pb):
+        assert same_bits(p, q), what
+    for p, q in zip(pa, pb):
+        sa, sb = oa.state[p], ob.state[q]
+        assert sa.keys() == sb.keys(), what
+        for k in sa:
+            assert same_bits(sa[k], sb[k]), (what, k)
+
+
 def same_bits(a, b) -> bool:
     """Bit for bit, except a nan's payload (the README's one exception: eager torch and the C++/Triton
     kernels write different nan patterns); every nan must be a nan on both sides."""

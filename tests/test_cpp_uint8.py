@@ -16,7 +16,7 @@ import halfadam
 from halfadam import executions
 from halfadam.kernels import cpp as cpu_kernel
 from halfadam import encodings as E
-from conftest import same_bits
+from conftest import assert_same_runs
 
 CPU = torch.device("cpu")
 TABLES = E.tables(E.PRESETS["compact"], CPU)
@@ -232,24 +232,13 @@ def _train(impl, dtype, cls, kw, steps=4, poison=False):
     return params, opt
 
 
-def _assert_same(run_a, run_b, what):
-    (pa, oa), (pb, ob) = run_a, run_b
-    for p, q in zip(pa, pb):
-        assert same_bits(p, q), what
-    for p, q in zip(pa, pb):
-        sa, sb = oa.state[p], ob.state[q]
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert same_bits(sa[k], sb[k]), (what, k)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_training_is_the_reference_bit_for_bit(fmt, dtype):
     """cpp and reference, 4 steps (a partial step, a loss scale): every parameter's and state tensor's bytes."""
     cls, kw = OPTIMIZERS["adamw"]
     kw = dict(kw, **FORMATS[fmt])
-    _assert_same(_train("reference", dtype, cls, kw), _train("cpp", dtype, cls, kw), fmt)
+    assert_same_runs(_train("reference", dtype, cls, kw), _train("cpp", dtype, cls, kw), fmt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
@@ -257,7 +246,7 @@ def test_training_is_the_reference_bit_for_bit(fmt, dtype):
 def test_training_every_optimizer_is_the_reference(opt_name, dtype):
     cls, kw = OPTIMIZERS[opt_name]
     kw = dict(kw, state_mode="compact")
-    _assert_same(_train("reference", dtype, cls, kw), _train("cpp", dtype, cls, kw), opt_name)
+    assert_same_runs(_train("reference", dtype, cls, kw), _train("cpp", dtype, cls, kw), opt_name)
 
 
 @pytest.mark.parametrize("fmt", ["compact", "fp32+uint8-exp_avg_sq"])
@@ -268,7 +257,7 @@ def test_training_with_nonfinite_gradients_is_the_reference(fmt):
     kw = dict(kw, **FORMATS[fmt])
     ref = _train("reference", torch.bfloat16, cls, kw, poison=True)
     cpp = _train("cpp", torch.bfloat16, cls, kw, poison=True)
-    _assert_same(ref, cpp, fmt)
+    assert_same_runs(ref, cpp, fmt)
     params, opt = cpp
     assert int(params[0].isnan().sum()) == 1 and int(params[1].isnan().sum()) == 1
     assert (opt.state[params[0]]["exp_avg_sq_absmax"].view(torch.int32) < 0).sum() == 1
@@ -282,7 +271,7 @@ def test_threads_split_the_work_not_the_bytes():
         two = _train("cpp", torch.bfloat16, cls, dict(kw, state_mode="compact"))
     finally:
         torch.set_num_threads(1)
-    _assert_same(one, two, "threads")
+    assert_same_runs(one, two, "threads")
 
 
 def test_auto_runs_cpp_in_compact_on_cpu(monkeypatch):
@@ -294,4 +283,4 @@ def test_auto_runs_cpp_in_compact_on_cpu(monkeypatch):
     for fmt in ("compact", "fp32+uint8-exp_avg_sq"):
         kw2 = dict(kw, **FORMATS[fmt])
         ref = _train("reference", torch.bfloat16, cls, kw2, steps=2)
-        _assert_same(ref, _train("auto", torch.bfloat16, cls, kw2, steps=2), fmt)
+        assert_same_runs(ref, _train("auto", torch.bfloat16, cls, kw2, steps=2), fmt)

@@ -18,7 +18,8 @@ import torch
 import halfadam
 from halfadam import encodings as E
 from halfadam import executions
-from conftest import needs_triton, same_bits
+from conftest import assert_same_runs, needs_triton
+from test_cpp_uint8 import OPTIMIZERS  # the optimizers and decay modes the C++ kernel is tested in
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("one_thread"),
               # the interpreter's numpy reports the overflows the tests make on purpose (g * g = inf)
@@ -30,12 +31,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 #: packed parameters with partial last blocks, one of several programs, one 1-element
 SHAPES = [(33, 17), (5,), (128, 3), (2100,), (1,)]
-OPTIMIZERS = {
-    "adamw": (halfadam.AdamW, dict(weight_decay=0.1)),
-    "adam-l2": (halfadam.Adam, dict(weight_decay=0.1)),
-    "adamfp16-absolute": (halfadam.AdamFP16, dict(weight_decay=halfadam.WeightDecay(1e-3, absolute=True))),
-    "adamfp16-not-optimized": (halfadam.AdamFP16, dict(optimized_update=False)),
-}
 FORMATS = {
     "fp32": dict(state_mode="fp32"),
     "split": dict(state_mode="split"),
@@ -77,17 +72,6 @@ def _train(impl, dtype, cls=halfadam.AdamW, kw=None, steps=4, grad_dtype=None, p
     return params, opt
 
 
-def _assert_same(run_a, run_b, what):
-    (pa, oa), (pb, ob) = run_a, run_b
-    for p, q in zip(pa, pb):
-        assert same_bits(p, q), what
-    for p, q in zip(pa, pb):
-        sa, sb = oa.state[p], ob.state[q]
-        assert sa.keys() == sb.keys(), what
-        for k in sa:
-            assert same_bits(sa[k], sb[k]), (what, k)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_format_is_the_reference_bit_for_bit(fmt, dtype):
@@ -95,7 +79,7 @@ def test_every_format_is_the_reference_bit_for_bit(fmt, dtype):
     parameter): every parameter's and state tensor's bytes equal the reference execution's."""
     cls, kw = OPTIMIZERS["adamw"]
     kw = dict(kw, **FORMATS[fmt])
-    _assert_same(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), fmt)
+    assert_same_runs(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), fmt)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
@@ -104,7 +88,7 @@ def test_every_format_is_the_reference_bit_for_bit(fmt, dtype):
 def test_every_decay_mode_is_the_reference(mode, opt_name, dtype):
     cls, kw = OPTIMIZERS[opt_name]
     kw = dict(kw, state_mode=mode)
-    _assert_same(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), opt_name)
+    assert_same_runs(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), opt_name)
 
 
 @pytest.mark.parametrize("mode", ["split", "compact"])
@@ -114,9 +98,9 @@ def test_gradient_dtypes(grad_dtype, mode):
     the reference's bits (on the CPU also the C++ kernel's)."""
     kw = dict(weight_decay=0.1, state_mode=mode)
     ref = _train("reference", torch.bfloat16, kw=kw, grad_dtype=grad_dtype)
-    _assert_same(ref, _train("triton", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
+    assert_same_runs(ref, _train("triton", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
     if DEVICE.type == "cpu":
-        _assert_same(ref, _train("cpp", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
+        assert_same_runs(ref, _train("cpp", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
@@ -126,7 +110,7 @@ def test_nonfinite_gradients_are_the_reference(mode):
     kw = dict(weight_decay=0.1, state_mode=mode)
     ref = _train("reference", torch.bfloat16, kw=kw, poison=True)
     tri = _train("triton", torch.bfloat16, kw=kw, poison=True)
-    _assert_same(ref, tri, mode)
+    assert_same_runs(ref, tri, mode)
     params, _ = tri
     assert int(params[0].isnan().sum()) == 1 and int(params[3].isnan().sum()) == 1
 
@@ -342,7 +326,7 @@ def test_found_inf_on_the_device_skips_inside_the_kernel(flag, monkeypatch):
         fresh = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES[:1]]
         assert torch.equal(params[0].detach().cpu(), fresh[0].bfloat16())
     else:
-        _assert_same((params, opt), (ref_params, ref_opt), "found_inf=0")
+        assert_same_runs((params, opt), (ref_params, ref_opt), "found_inf=0")
 
 
 def test_a_launch_that_raises_counts_no_step(monkeypatch):
@@ -365,7 +349,7 @@ def test_a_launch_that_raises_counts_no_step(monkeypatch):
     opt.step(grads=grads)
     ref_params, ref_opt = _train("reference", torch.bfloat16, kw=kw, steps=2, strided=False)
     ref_opt.step(grads={q: grads[p] for p, q in zip(params, ref_params)})
-    _assert_same((params, opt), (ref_params, ref_opt), "after a failed launch")
+    assert_same_runs((params, opt), (ref_params, ref_opt), "after a failed launch")
 
 
 # ------------------------------------------------------------------------- capturable=True
@@ -400,7 +384,7 @@ def test_capturable_is_the_ordinary_step_bit_for_bit(mode):
     included; the counts are the parameters' device tensors and skip the skipped step."""
     ref = _capturable_run(False, mode)
     cap = _capturable_run(True, mode)
-    _assert_same(ref, cap, mode)
+    assert_same_runs(ref, cap, mode)
     params, opt = cap
     steps = [opt.state[p]["step"] for p in params]
     assert all(s.device == DEVICE for s in steps)
@@ -427,7 +411,7 @@ def test_capturable_with_the_scaler_never_reads_found_inf_on_the_host(monkeypatc
     monkeypatch.setattr(halfadam.GradScaler, "step", watched)
     cap = _capturable_run(True, "compact", scaler=True)
     assert reads == []
-    _assert_same(ref, cap, "scaler")
+    assert_same_runs(ref, cap, "scaler")
     assert float(cap[1].state[cap[0][0]]["step"]) == 3.0
 
 
@@ -473,4 +457,4 @@ def test_a_captured_step_replays_bitwise_equal_to_the_eager_step(mode):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    _assert_same((eager_params, eager), (params, opt), "captured")
+    assert_same_runs((eager_params, eager), (params, opt), "captured")

@@ -363,9 +363,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
     triton_kernel = _triton()
     for (device, dtype, pfmt, with_master, step), ks in groups.items():
         params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
-        gdtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
-        if gdtype not in (torch.float32, dtype):
-            gdtype = torch.float32
+        gdtype = _launch_grad_dtype(grads, dtype)
         grads = [g.to(gdtype).contiguous() for g in grads]
         numels = [p.numel() for p in params]
         table = triton_kernel.tensor_table(params, grads, numels, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
@@ -373,17 +371,29 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                           weight_decay=hp.weight_decay, decay=hp.decay,
                                           optimized_update=hp.optimized_update)
-        master = (triton_kernel.MASTER_NONE if not with_master else
-                  triton_kernel.MASTER_FP32 if pfmt.master == "fp32" else triton_kernel.MASTER_SPLIT)
         triton_kernel.launch(triton_kernel.work_list(numels, device), table,
                              triton_kernel.scalars(coefficients, step + 1, device), {}, encodings.tables(pfmt, device),
-                             param_dtype=dtype, grad_dtype=gdtype, master=master, exp_avg=pfmt.exp_avg,
+                             param_dtype=dtype, grad_dtype=gdtype, master=_master_kind(pfmt, with_master),
+                             exp_avg=pfmt.exp_avg,
                              exp_avg_sq=pfmt.exp_avg_sq, l2=hp.decay == "l2", optimized_update=hp.optimized_update,
                              grad_scale=None if grad_scale is None else
                              grad_scale.to(device=device, dtype=torch.float32).reshape(1))
         for k in ks:
             state[pairs[k][0]]["step"] += 1
     return left
+
+
+def _launch_grad_dtype(grads: List[Tensor], param_dtype: torch.dtype) -> torch.dtype:
+    """The gradient dtype of one Triton launch: the gradients' own when they share one that is float32
+    or the parameters' dtype, else float32 (the others are converted)."""
+    dtype = grads[0].dtype
+    return dtype if dtype in (torch.float32, param_dtype) and all(g.dtype == dtype for g in grads) else torch.float32
+
+
+def _master_kind(fmt: StateFormat, has_master: bool) -> int:
+    """The Triton kernel's code for how the master is kept."""
+    kernel = _triton()
+    return kernel.MASTER_NONE if not has_master else kernel.MASTER_FP32 if fmt.master == "fp32" else kernel.MASTER_SPLIT
 
 
 def _triton():
@@ -404,9 +414,7 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
     device = bucket.device
     index = [i for i, _ in items]
     grads = [g for _, g in items]
-    gdtype = grads[0].dtype if all(g.dtype == grads[0].dtype for g in grads) else torch.float32
-    if gdtype not in (torch.float32, bucket.dtype):
-        gdtype = torch.float32
+    gdtype = _launch_grad_dtype(grads, bucket.dtype)
     params, staged = [], []
     for k, (i, g) in enumerate(items):
         p = bucket.params[i].detach()
@@ -431,12 +439,11 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
                                                         [bucket.offsets[i] for i in index], [0] * len(index), device)
         cache["table_key"] = key
     fmt = bucket.format
-    master = (triton_kernel.MASTER_NONE if not bucket.has_master else
-              triton_kernel.MASTER_FP32 if fmt.master == "fp32" else triton_kernel.MASTER_SPLIT)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
     triton_kernel.launch(work, table, scalars, bucket.flat, encodings.tables(fmt, device), param_dtype=bucket.dtype,
-                         grad_dtype=gdtype, master=master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
+                         grad_dtype=gdtype, master=_master_kind(fmt, bucket.has_master), exp_avg=fmt.exp_avg,
+                         exp_avg_sq=fmt.exp_avg_sq,
                          l2=hp.decay == "l2", optimized_update=hp.optimized_update, grad_scale=grad_scale,
                          found_inf=found_inf)
     for p, view in staged:
