@@ -7,10 +7,18 @@
   compiled by ``torch.compile`` (``"fused"``) or run eagerly in cache-sized chunks (``"foreach"``);
   or, for CPU buckets in every state mode (8-bit moments included), the hand-written C++ kernel of
   :mod:`halfadam.kernels.cpp` (``"cpp"``): the same equations and encodings, bit for bit, one call per
-  bucket, reading every gradient and writing every parameter where it lies.
+  bucket, reading every gradient and writing every parameter where it lies; or the hand-written
+  Triton kernel of :mod:`halfadam.kernels.triton` (``"triton"``: CUDA, and CPU tensors under
+  ``TRITON_INTERPRET=1``), one launch per bucket through a table of the tensors' addresses;
+* :func:`capturable_step`: the Triton launch with the step counts and coefficients on the device and
+  ``found_inf`` read by the kernel (``capturable=True``: nothing read on the host);
+* :func:`shard_step`: Triton launches for parameters with their own state tensors (FSDP2's local
+  shards), whose addresses ride in the tensor table.
 
-Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets when the kernel builds (it moves each byte once, with no per-call entry cost); otherwise
-``"fused"`` (CUDA, or no C++ compiler); ``"foreach"`` once a compilation has failed.
+Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets when the kernel builds (it moves each byte once,
+with no per-call entry cost); ``"triton"`` for CUDA buckets (and FSDP2 shards) where the triton
+package imports; otherwise ``"fused"`` (no C++ compiler, no Triton); ``"foreach"`` once a
+compilation has failed.
 
 Each execution receives the same inputs from the optimizer: a list of ``(param, grad)`` pairs, the
 optimizer's per-parameter ``state`` (already initialised), and the group's resolved hyperparameters.
@@ -39,7 +47,8 @@ from .kernels import cpp as cpu_kernel
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
-__all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "compile_available"]
+__all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "capturable_step", "shard_step",
+           "compile_available"]
 
 #: Accepted values of the optimizers' ``implementation`` argument.
 IMPLEMENTATIONS = ("auto", "triton", "cpp", "fused", "foreach", "reference")
@@ -397,8 +406,7 @@ def _master_kind(fmt: StateFormat, has_master: bool) -> int:
 
 
 def _triton():
-    """:mod:`halfadam.kernels.triton`, imported on first use (it imports triton, and reads
-    ``TRITON_INTERPRET`` then)."""
+    """:mod:`halfadam.kernels.triton`, imported on first use (it imports triton)."""
     from .kernels import triton as triton_kernel
     return triton_kernel
 

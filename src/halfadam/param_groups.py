@@ -1,0 +1,197 @@
+"""Validation of what a user hands the optimizers: parameters, parameter groups, ``order_params``,
+gradients and torch's flags (the layer below :mod:`halfadam.optimizer`, which calls these before it
+changes anything, so a call that raises leaves the optimizer as it was).
+
+Every error names the argument or parameter it is about (``param_groups[1]['params'][3]``,
+``gradient of param_groups[0]['params'][2]``, ``AdamW(fused=...)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .functional import DECAY_MODES
+from .kernels import cpp as cpu_kernel
+
+__all__ = ["STATE_FORMAT_KEYS", "TORCH_FLAGS_OFF", "check_disjoint", "check_grad", "check_group_keys",
+           "check_order_params", "check_pairs", "check_param", "check_torch_flags", "check_writable", "is_named",
+           "raise_foreign_key", "split_params"]
+
+
+def raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
+    """``step(grads=...)`` holds a key that is not one of this optimizer's parameters: name it."""
+    known = {id(p) for g in groups for p in g["params"]}
+    for key in grads:
+        if id(key) not in known:
+            what = f"a tensor of shape {tuple(key.shape)}" if isinstance(key, Tensor) else repr(key)
+            raise ValueError(f"grads has a key that is not a parameter of this optimizer ({what}); key the "
+                             f"gradients by the parameters themselves (p, not p.detach() or p.data)")
+
+
+#: The optimizer's state-format arguments: accepted in a group when they repeat the optimizer's.
+STATE_FORMAT_KEYS = ("state_mode", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
+#: torch.optim.AdamW's group flags and the values that mean "off" (what halfadam does); any other
+#: value asks for an algorithm or kernel halfadam does not implement. Other keys a group holds are the
+#: user's (timm's ``lr_scale``, a ``layer_id``...): kept untouched, as torch keeps them.
+TORCH_FLAGS_OFF = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,), "differentiable": (False,),
+                    "foreach": (None, False), "fused": (None, False)}
+
+
+def check_torch_flags(flags: Dict[str, Any], where: str) -> None:
+    """ValueError for a torch.optim.AdamW flag of ``flags`` at a value other than "off" (``where`` + key
+    names it: ``param_groups[0]['fused']`` or ``AdamW(fused=...)``)."""
+    for key, off in TORCH_FLAGS_OFF.items():
+        if key in flags and not any(flags[key] is v for v in off):
+            hint = " (choose the execution with implementation=...)" if key in ("foreach", "fused") else ""
+            accepted = " or ".join(repr(v) for v in off)
+            name = f"{where}['{key}']" if where.startswith("param_groups") else f"{where}({key}=...)"
+            raise ValueError(f"{name}={flags[key]!r} is not supported by halfadam{hint}; only "
+                             f"{accepted} is accepted")
+
+
+def check_group_keys(group: Dict[str, Any], where: str) -> None:
+    """Reject torch flags halfadam does not implement, and halfadam's own keys of the wrong type."""
+    check_torch_flags(group, where)
+    if "master_weights" in group and group["master_weights"] is not None and not isinstance(
+            group["master_weights"], bool):
+        raise TypeError(f"{where}['master_weights'] must be None, True or False, got {group['master_weights']!r}")
+    if "optimized_update" in group and not isinstance(group["optimized_update"], bool):
+        raise TypeError(f"{where}['optimized_update'] must be True or False, got {group['optimized_update']!r}")
+    if "decay" in group and group["decay"] not in DECAY_MODES:
+        raise ValueError(f"{where}['decay'] must be one of {DECAY_MODES}, got {group['decay']!r}")
+    gs = group.get("global_step", 0)
+    if isinstance(gs, bool) or not isinstance(gs, int):
+        raise TypeError(f"{where}['global_step'] must be an int, got {gs!r}")
+    if gs < 0:
+        raise ValueError(f"{where}['global_step'] must be >= 0, got {gs}")
+    for key in ("lr_schedule", "weight_decay_schedule"):
+        if group.get(key) is not None and not callable(group[key]):
+            raise TypeError(f"{where}['{key}'] must be None or a callable of the global step, got {group[key]!r}")
+
+
+def check_disjoint(groups: List[Dict[str, Any]]) -> None:
+    """Each parameter once: in one group, once in it (ValueError naming both places otherwise)."""
+    seen: Dict[int, str] = {}
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            here = f"param_groups[{gi}]['params'][{j}]"
+            if id(p) in seen:
+                raise ValueError(f"{here} is the same tensor as {seen[id(p)]}: a parameter may appear once, not "
+                                 f"twice in a group nor in more than one parameter group (it would be updated "
+                                 f"twice per step)")
+            seen[id(p)] = here
+
+
+def check_param(p: Any, where: str) -> None:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{where} must be a tensor (a parameter) or a dict, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"{where} must be a floating-point tensor, got dtype {p.dtype}")
+    if p.is_sparse:
+        raise TypeError(f"{where} is a sparse tensor; sparse parameters are not supported")
+    if not (p.is_leaf or p.retains_grad):
+        raise ValueError(f"{where} is a non-leaf tensor; optimizers update leaf tensors only")
+    check_writable(p, where)
+
+
+def check_writable(p: Tensor, where: str) -> None:
+    """A parameter whose elements share memory (an ``expand``-ed tensor: stride 0) cannot be updated in place."""
+    if not p.is_contiguous() and any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+        raise ValueError(f"{where} (shape {tuple(p.shape)}, stride {p.stride()}) has elements that share memory "
+                         f"(an expand()-ed tensor?); it cannot be updated in place: pass a contiguous copy")
+
+
+def check_pairs(pairs: List[Tuple[Tensor, Any]], params: List[Tensor], where: str) -> None:
+    """:func:`check_grad` and :func:`check_writable` for every ``(param, grad)`` pair of a group.
+
+    With the C++ kernel loaded (:mod:`halfadam.kernels.cpp`) one call checks them all and the Python
+    checks run only to name what it rejected; without it, they run pair by pair.
+    """
+    kernel = cpu_kernel.loaded()
+    if kernel is not None and len(pairs) > 8 and not torch.compiler.is_compiling():
+        try:
+            if kernel.first_invalid([p for p, _ in pairs], [g for _, g in pairs]) < 0:
+                return
+        except TypeError:  # a gradient that is not a tensor: the Python checks name it
+            pass
+    index = {id(p): j for j, p in enumerate(params)} if pairs else {}
+    for p, g in pairs:
+        j = index[id(p)]
+        check_grad(g, p, f"gradient of {where}['params'][{j}]")
+        check_writable(p, f"{where}['params'][{j}]")
+
+
+def check_grad(g: Any, p: Tensor, where: str) -> None:
+    if not isinstance(g, Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(g).__name__}")
+    if g.is_sparse:
+        raise TypeError(f"{where} is sparse; halfadam does not support sparse gradients")
+    if not g.is_floating_point():
+        raise TypeError(f"{where} must be floating point, got dtype {g.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"{where} has shape {tuple(g.shape)}, its parameter has {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{where} is on {g.device}, its parameter on {p.device}")
+
+
+def split_params(params: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Tensor]]]:
+    """Turn ``params`` into a list of group dicts and the ``order_params`` list (or ``None``)."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError("params must be an ordered collection (a list, a generator); a set has no fixed order, "
+                        "and the optimizer's state and checkpoints follow the parameters' order")
+    if isinstance(params, Tensor) or not hasattr(params, "__iter__"):
+        raise TypeError(
+            f"params must be an iterable of tensors or of dicts, got {type(params).__name__}"
+        )
+    items = list(params)
+    if not items:
+        raise ValueError("params is empty: the optimizer got no parameters")
+    tensors, groups, order_params = [], [], None
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if "order_params" in item:
+                if order_params is not None:
+                    raise ValueError(f"params[{i}]: order_params given more than once")
+                order_params = list(item["order_params"])
+            else:
+                groups.append(item)
+        elif isinstance(item, Tensor) or is_named(item):
+            tensors.append(item)
+        else:
+            raise TypeError(f"params[{i}] must be a tensor (a parameter), a (name, parameter) pair or a dict, "
+                            f"got {type(item).__name__}")
+    if tensors and groups:
+        raise TypeError("params mixes tensors and dicts: give a list of parameters or a list of group dicts")
+    if tensors:
+        groups = [{"params": tensors}]
+    if not groups:
+        raise ValueError("params holds order_params but no parameter group")
+    return groups, order_params
+
+
+def is_named(item: Any) -> bool:
+    """A ``(name, parameter)`` pair, as ``model.named_parameters()`` yields."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
+def check_order_params(order: Optional[List[Any]], groups: List[Dict[str, Any]]) -> None:
+    """``order_params`` must hold exactly the groups' parameters, each once."""
+    if order is None:
+        return
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    seen = set()
+    for i, p in enumerate(order):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"order_params[{i}] must be a tensor, got {type(p).__name__}")
+        if id(p) in seen:
+            raise ValueError(f"order_params[{i}] (shape {tuple(p.shape)}) appears more than once")
+        if id(p) not in in_groups:
+            raise ValueError(f"order_params[{i}] (shape {tuple(p.shape)}) is in no parameter group")
+        seen.add(id(p))
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            if id(p) not in seen:
+                raise ValueError(f"param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)}) is missing from order_params")
