@@ -458,3 +458,36 @@ def test_a_captured_step_replays_bitwise_equal_to_the_eager_step(mode):
         graph.replay()
     torch.cuda.synchronize()
     assert_same_runs((eager_params, eager), (params, opt), "captured")
+
+
+def test_every_variant_compiles_for_the_gpu_with_ieee_arithmetic():
+    """Without a GPU: every kernel variant compiles to a cubin for sm_90 (H100/H200) with Triton's
+    own ptxas, with IEEE divisions and square roots and no fused multiply-add outside the uint8
+    exp_avg_sq encoder's log2 estimate (benchmarks/triton_compile_check.py)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "triton_compile_check.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "triton_compile_check: 0 failure(s)" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sum(line.startswith("ok   ") for line in out.stdout.splitlines()) == 47  # 45 formats x dtypes, 2 switches
+
+
+def test_auto_falls_back_to_fused_when_the_first_launch_fails(monkeypatch):
+    """Under 'auto' (as on CUDA) a Triton kernel whose first launch fails (it does not compile for this
+    GPU) is one RuntimeWarning, and the step runs 'fused' instead: the same bits, nothing half-written;
+    under 'triton' the failure raises."""
+    from halfadam.kernels import triton as triton_kernel
+
+    monkeypatch.setattr(executions, "_triton_runs", lambda device, implementation, what: True)
+    monkeypatch.setattr(executions, "_triton_launched", False)
+    monkeypatch.setattr(executions, "_triton_failed", None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX compile error (simulated)")
+    monkeypatch.setattr(triton_kernel, "launch", broken)
+    kw = dict(state_mode="bf16")
+    with pytest.raises(RuntimeError, match="simulated"):
+        _train("triton", torch.bfloat16, kw=kw, steps=1, strided=False)
+    with pytest.warns(RuntimeWarning, match="first launch failed; implementation='auto' runs 'fused'"):
+        got = _train("auto", torch.bfloat16, kw=kw, steps=2, strided=False)
+    assert executions._triton_failed.startswith("RuntimeError: PTX compile error")
+    assert_same_runs(_train("reference", torch.bfloat16, kw=kw, steps=2, strided=False), got, "fallback")

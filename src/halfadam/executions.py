@@ -268,9 +268,10 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         coefficients = adam_coefficients(step=int(step), lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                           weight_decay=hp.weight_decay, decay=hp.decay,
                                           optimized_update=hp.optimized_update)
-        _triton_step(bucket, items, hp, grad_scale, _triton().scalars(coefficients, int(step), device))
-        bucket.advance_steps(subset)
-        return
+        if _guarded_triton_step(implementation, bucket, items, hp, grad_scale,
+                                _triton().scalars(coefficients, int(step), device)):
+            bucket.advance_steps(subset)
+            return
     kernel = _cpp_kernel(bucket, implementation)
     if kernel is not None:
         _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
@@ -318,6 +319,26 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
 
 _log = logging.getLogger("halfadam")
 _auto_logged: set = set()
+_triton_launched = False  # a Triton launch has succeeded in this process
+_triton_failed: Optional[str] = None  # why auto stopped running it (its first launch failed)
+
+
+def _guarded_triton_step(implementation: str, *args) -> bool:
+    """:func:`_triton_step`; under ``"auto"``, a failure of the process's first launch (the kernel does not
+    compile for this GPU, say) is a one-time RuntimeWarning and ``False``: auto then runs ``fused`` for
+    the rest of the process. A failure after a launch has succeeded, or with ``"triton"``, raises."""
+    global _triton_launched, _triton_failed
+    try:
+        _triton_step(*args)
+    except Exception as exc:
+        if implementation != "auto" or _triton_launched:
+            raise
+        _triton_failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+        warnings.warn(f"halfadam: the Triton kernel's first launch failed; implementation='auto' runs 'fused' "
+                      f"(torch.compile) for the rest of this process ({_triton_failed})", RuntimeWarning, stacklevel=5)
+        return False
+    _triton_launched = True
+    return True
 
 
 def _uses_triton(bucket: Bucket, implementation: str) -> bool:
@@ -337,7 +358,7 @@ def _triton_runs(device: torch.device, implementation: str, what: str) -> bool:
         if reason is not None:
             raise RuntimeError(f"implementation='triton' cannot run {what}: {reason}; use implementation='auto'")
         return True
-    if implementation != "auto" or device.type != "cuda":
+    if implementation != "auto" or device.type != "cuda" or _triton_failed is not None:
         return False
     triton_kernel = _triton()
     use = triton_kernel.available(device)

@@ -1,0 +1,97 @@
+"""Compile the Triton kernel for an NVIDIA GPU without one: every variant the optimizer launches, down
+to PTX and a cubin for ``--arch`` (default 90: H100/H200), and check the arithmetic the bitwise claim
+rests on: IEEE divisions and square roots (``div.rn.f32``, ``sqrt.rn.f32``; no ``div.full``/``approx``),
+and no fused multiply-add outside the uint8 ``exp_avg_sq`` encoder's log2 estimate (which only picks
+candidates that exact comparisons then decide).
+
+    python benchmarks/triton_compile_check.py [--arch 90]
+
+Prints one line per variant and exits 1 if one fails to compile or breaks a check. Needs the triton
+package (its bundled ptxas), not a GPU; ``tests/test_triton.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the interpreter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from halfadam.kernels import triton as kernel  # noqa: E402
+
+_MOMENT = {0: "fp32", 1: "bf16", 2: "u8"}
+_DTYPES = {tl.float32: "fp32", tl.float16: "fp16", tl.bfloat16: "bf16"}
+
+
+def signature(m_kind: int, v_kind: int) -> dict:
+    sig = {"work_ptr": "*i64", "table_ptr": "*i64", "scalars_ptr": "*i32", "grad_scale_ptr": "*fp32",
+           "found_inf_ptr": "*fp32", "master_ptr": "*fp32", "hi_ptr": "*i8", "lo_ptr": "*u8", "tie_ptr": "*u8",
+           "m_ptr": "*" + _MOMENT[m_kind], "v_ptr": "*" + _MOMENT[v_kind], "m_absmax_ptr": "*fp32",
+           "v_absmax_ptr": "*fp32", "dyn_ptr": "*fp32", "decades_ptr": "*fp32", "levels_ptr": "*fp32"}
+    for name in ("P_DTYPE", "G_DTYPE", "MASTER", "M_KIND", "V_KIND", "L2", "OPTIMIZED", "HAS_SCALE", "HAS_FOUND_INF",
+                 "SCALARS_STRIDE", "STATE_IN_TABLE", "NB", "BLOCK_"):
+        sig[name] = "constexpr"
+    return sig
+
+
+def variants():
+    """Every parameter dtype with its masters and moment encodings, and each switch once."""
+    for pdt, master, mk, vk in itertools.product((tl.bfloat16, tl.float16, tl.float32), (0, 1, 2), (0, 1, 2), (0, 1, 2)):
+        if (pdt == tl.float32) != (master == 0):
+            continue  # float32 parameters have no master; half ones in buckets always have one
+        yield dict(P_DTYPE=pdt, G_DTYPE=tl.float32, MASTER=master, M_KIND=mk, V_KIND=vk, L2=False, OPTIMIZED=False,
+                   HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False)
+    base = dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2)
+    yield dict(base, L2=True, OPTIMIZED=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10,
+               STATE_IN_TABLE=False)
+    yield dict(base, MASTER=1, M_KIND=1, V_KIND=1, L2=False, OPTIMIZED=False, HAS_SCALE=True, HAS_FOUND_INF=False,
+               SCALARS_STRIDE=0, STATE_IN_TABLE=True)
+
+
+def check(arch: int) -> int:
+    target = GPUTarget("cuda", arch, 32)
+    failures = 0
+    for const in variants():
+        const = dict(const, NB=kernel.BLOCKS_PER_PROGRAM, BLOCK_=kernel.BLOCK)
+        name = (f"{_DTYPES[const['P_DTYPE']]} master={const['MASTER']} m={_MOMENT[const['M_KIND']]} "
+                f"v={_MOMENT[const['V_KIND']]} l2={const['L2']} scale={const['HAS_SCALE']} "
+                f"found_inf={const['HAS_FOUND_INF']} per-tensor={const['SCALARS_STRIDE'] > 0} "
+                f"state-in-table={const['STATE_IN_TABLE']}")
+        try:
+            src = ASTSource(fn=kernel._adam_kernel, signature=signature(const["M_KIND"], const["V_KIND"]),
+                            constexprs=const)
+            out = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+        except Exception as exc:
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}")
+            failures += 1
+            continue
+        ptx = out.asm["ptx"]
+        approx = len(re.findall(r"\b(div\.full|div\.approx|sqrt\.approx|rsqrt)", ptx))
+        fma = len(re.findall(r"\bfma\.\S*f32", ptx))
+        bad = approx or (fma and const["V_KIND"] != 2) or not out.asm.get("cubin")
+        failures += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '} {name}: div.rn {ptx.count('div.rn.f32')}, sqrt.rn {ptx.count('sqrt.rn.f32')}, "
+              f"approximate {approx}, fma {fma}, cubin {len(out.asm.get('cubin', b''))} B")
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (default 90)")
+    failures = check(parser.parse_args(argv).arch)
+    print(f"triton_compile_check: {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
