@@ -33,9 +33,10 @@ def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
 
 
-def _spec_encode(name, x, seed):
-    stored = {name: torch.zeros(x.numel(), dtype=torch.uint8), f"{name}_absmax": torch.zeros(x.numel() // 128)}
-    E._encode_moment_(torch.uint8, name, x.clone(), stored, TABLES, torch.tensor(seed))
+def _spec_encode(name, x, seed, dtype=torch.uint8):
+    """``encodings._encode_moment_`` of float32 ``x`` (whole blocks) as ``name`` in ``dtype``."""
+    stored = {name: torch.zeros(x.numel(), dtype=dtype), f"{name}_absmax": torch.zeros(x.numel() // 128)}
+    E._encode_moment_(dtype, name, x.clone(), stored, TABLES, torch.tensor(seed))
     return stored
 
 

@@ -19,7 +19,7 @@ import halfadam
 from halfadam import encodings as E
 from halfadam import executions
 from conftest import assert_same_runs, needs_triton
-from test_cpp_uint8 import OPTIMIZERS  # the optimizers and decay modes the C++ kernel is tested in
+from test_cpp_uint8 import OPTIMIZERS, _spec_encode  # the C++ kernel's optimizers and spec encoder
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("one_thread"),
               # the interpreter's numpy reports the overflows the tests make on purpose (g * g = inf)
@@ -178,7 +178,7 @@ def test_uint8_encoder_bytes_are_the_spec(name):
     values (ties, code and decade boundaries, zero, subnormal and huge block scales, nan and inf):
     ``encodings._encode_moment_``'s codes and absmax bits, ``_decode_moment``'s values."""
     from halfadam.kernels import triton as triton_kernel
-    from test_cpp_uint8 import TABLES, _hard_values, _spec_encode
+    from test_cpp_uint8 import TABLES, _hard_values
 
     x = _hard_values(name)
     x = torch.cat([x, x.new_zeros(-x.numel() % triton_kernel.CHUNK)])
@@ -220,22 +220,16 @@ def test_one_step_encodes_the_fp32_state_values(dtype):
         for name in ("exp_avg", "exp_avg_sq"):
             x = torch.zeros(-(-n // 128) * 128)
             x[:n] = s32[name].reshape(-1)
-            want = _spec_encode_any(torch.uint8, name, x)
+            want = _spec_encode(name, x, 1)
             assert torch.equal(o8[id(b)][name].reshape(-1), want[name][:n]), name
             assert torch.equal(_bits(o8[id(b)][f"{name}_absmax"]), _bits(want[f"{name}_absmax"])), name
-            want16 = _spec_encode_any(torch.bfloat16, name, x)[name][:n]
+            want16 = _spec_encode(name, x, 1, torch.bfloat16)[name][:n]
             got16 = o16[id(c)][name].reshape(-1)
             finite = want16.isfinite()
             assert torch.equal(_bits(got16)[finite], _bits(want16)[finite]) and torch.equal(got16.isnan(), want16.isnan())
         m16 = opt16.master_weight(c).cpu()
         finite = m16.isfinite()
         assert torch.equal(m16[finite], s32["master_weight"][finite]), name
-
-
-def _spec_encode_any(dtype, name, x):
-    stored = {name: torch.zeros(x.numel(), dtype=dtype), f"{name}_absmax": torch.zeros(x.numel() // 128)}
-    E._encode_moment_(dtype, name, x.clone(), stored, E.tables(E.PRESETS["compact"], CPU), torch.tensor(1))
-    return stored
 
 
 # ------------------------------------------------------------------------- the launch and its tables

@@ -170,6 +170,7 @@ def measure(args) -> List[Dict[str, Any]]:
 
     peers = [PEERS[name] for name in getattr(args, "peer_names", [])]
     on_cpu = args.device == "cpu"
+    _host_seconds.clear()
     for impl, why in (("cpp", "the C++ kernel runs CPU tensors only"),
                       ("triton", "the Triton kernel is timed on CUDA only (the test suite runs it on the CPU "
                                  "under TRITON_INTERPRET=1, far too slow to time)")):

@@ -36,7 +36,7 @@ import logging
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -141,6 +141,21 @@ def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor
                     decay=decay, optimized_update=optimized_update)
 
 
+def _describe(exc: BaseException) -> str:
+    """``<ExceptionType>: <first line of its message>`` (at most 200 characters of it)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _cached(bucket: Bucket, name: str, key, build):
+    """``bucket.kernel_cache``'s value ``name`` for ``key``, built by ``build(key)`` when the key changed
+    (one entry per name: a cache that changing subsets or addresses cannot grow)."""
+    found = bucket.kernel_cache.get(name)
+    if found is None or found[0] != key:
+        found = bucket.kernel_cache[name] = (key, build(key))
+    return found[1]
+
+
 _compiled_kernels: Dict[tuple, object] = {}
 _compiled_ran: set = set()  # variants that have run once (compiled) in this process
 _compile_failed: Optional[str] = None
@@ -193,11 +208,10 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
             compiling = key not in _compiled_ran or isinstance(exc, torch._dynamo.exc.TorchDynamoException)
             if implementation == "fused" or not compiling:
                 raise
-            _compile_failed = f"{type(exc).__name__}: {exc}"
+            _compile_failed = _describe(exc)
             warnings.warn(
                 "halfadam: torch.compile of the fused step failed; implementation='auto' falls back to "
-                f"'foreach' for the rest of this process ({_compile_failed.splitlines()[0][:200]})",
-                RuntimeWarning, stacklevel=4)
+                f"'foreach' for the rest of this process ({_compile_failed})", RuntimeWarning, stacklevel=4)
     _eager_chunks(*args, **kwargs)
 
 
@@ -231,14 +245,9 @@ def capturable_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperpa
     Raises:
         RuntimeError: the Triton kernel cannot run this bucket (``capturable=True`` runs only it).
     """
-    if not _uses_triton(bucket, "triton" if implementation == "auto" else implementation):
-        raise RuntimeError(f"capturable=True runs the Triton kernel only; implementation={implementation!r} "
-                           f"does not run it")
-    cache = bucket.kernel_cache
-    key = ("index", tuple(i for i, _ in items))
-    index = cache.get(key)
-    if index is None:
-        index = cache[key] = torch.tensor([i for i, _ in items], dtype=torch.int64, device=bucket.device)
+    _uses_triton(bucket, "triton")  # raises where it cannot run (the optimizer allows only auto and triton)
+    index = _cached(bucket, "index", tuple(i for i, _ in items),
+                    lambda key: torch.tensor(key, dtype=torch.int64, device=bucket.device))
     steps = bucket.steps[index] + 1  # the steps being taken
     coefficients = adam_coefficients(step=steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                       weight_decay=hp.weight_decay, decay=hp.decay,
@@ -333,7 +342,7 @@ def _guarded_triton_step(implementation: str, *args) -> bool:
     except Exception as exc:
         if implementation != "auto" or _triton_launched:
             raise
-        _triton_failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+        _triton_failed = _describe(exc)
         warnings.warn(f"halfadam: the Triton kernel's first launch failed; implementation='auto' runs 'fused' "
                       f"(torch.compile) for the rest of this process ({_triton_failed})", RuntimeWarning, stacklevel=5)
         return False
@@ -348,15 +357,16 @@ def _uses_triton(bucket: Bucket, implementation: str) -> bool:
     Raises:
         RuntimeError: ``implementation="triton"`` where the kernel cannot run (the reason is in the message).
     """
-    return _triton_runs(bucket.device, implementation, f"this bucket ({bucket.device}, {bucket.format.describe()})")
+    return implementation in ("triton", "auto") and _triton_runs(
+        bucket.device, implementation, lambda: f"this bucket ({bucket.device}, {bucket.format.describe()})")
 
 
-def _triton_runs(device: torch.device, implementation: str, what: str) -> bool:
-    """:func:`_uses_triton` for tensors on ``device`` (``what`` names them in the error)."""
+def _triton_runs(device: torch.device, implementation: str, what: Callable[[], str]) -> bool:
+    """:func:`_uses_triton` for tensors on ``device`` (``what()`` names them in the error)."""
     if implementation == "triton":
         reason = _triton().unavailable_reason(device)
         if reason is not None:
-            raise RuntimeError(f"implementation='triton' cannot run {what}: {reason}; use implementation='auto'")
+            raise RuntimeError(f"implementation='triton' cannot run {what()}: {reason}; use implementation='auto'")
         return True
     if implementation != "auto" or device.type != "cuda" or _triton_failed is not None:
         return False
@@ -385,7 +395,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         pfmt = for_param(fmt, p, with_master)
         takes = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
             and p.is_contiguous() and not encodings.block_keys(pfmt, with_master) \
-            and _triton_runs(p.device, implementation, f"a parameter shard on {p.device}")
+            and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}")
         if takes:
             groups.setdefault((p.device, p.dtype, pfmt, with_master, int(st["step"].item())), []).append(k)
         else:
@@ -456,17 +466,12 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
         if not g.is_contiguous() or g.dtype != gdtype:
             grads[k] = bucket.views(bucket.grad_buffer(torch.float32))[i].copy_(g) if gdtype == torch.float32 \
                 else g.contiguous()
-    cache = bucket.kernel_cache
-    work = cache.get(("work", tuple(index)))
-    if work is None:
-        work = cache[("work", tuple(index))] = triton_kernel.work_list([bucket.sizes[i] for i in index], device)
-    key = ("table", tuple(p.data_ptr() for p in params), tuple(g.data_ptr() for g in grads))
-    table = cache.get(key)
-    if table is None:
-        cache.pop(cache.get("table_key"), None)
-        table = cache[key] = triton_kernel.tensor_table(params, grads, [bucket.sizes[i] for i in index],
-                                                        [bucket.offsets[i] for i in index], [0] * len(index), device)
-        cache["table_key"] = key
+    work = _cached(bucket, "work", tuple(index),
+                   lambda key: triton_kernel.work_list([bucket.sizes[i] for i in key], device))
+    table = _cached(bucket, "table", tuple(p.data_ptr() for p in params) + tuple(g.data_ptr() for g in grads),
+                    lambda key: triton_kernel.tensor_table(params, grads, [bucket.sizes[i] for i in index],
+                                                           [bucket.offsets[i] for i in index], [0] * len(index),
+                                                           device))
     fmt = bucket.format
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)

@@ -664,7 +664,7 @@ class _AdamBase(torch.optim.Optimizer):
         """ValueError for a parameter a capturable step cannot take: one outside the buckets (float64,
         a DTensor, a half parameter without master weights, a frozen one) runs the reference path,
         which reads its step count on the host."""
-        for j, (p, _) in enumerate(pairs):
+        for p, _ in pairs:
             if bucket_key(p, self._use_master(p, group)) is None:
                 k = next(i for i, q in enumerate(group["params"]) if q is p)
                 raise ValueError(

@@ -598,11 +598,8 @@ class GradScaler:
             total = (raw.to(self._scale.device) * inv_scale).reshape(())  # unscaled, float64
             self.last_grad_norm = total.float()
             grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0).float()
-        result = None
-        if _capturable(optimizer):  # the skip happens inside the kernel: nothing waits for found_inf
-            result = optimizer.step(*args, grad_scale=grad_scale, found_inf=st["found_inf"], **kwargs)
-        elif st["found_inf"].item() == 0.0:
-            result = optimizer.step(*args, grad_scale=grad_scale, **kwargs)
+        # the optimizer skips where found_inf is set: on the host, or inside the kernel when it is capturable
+        result = optimizer.step(*args, grad_scale=grad_scale, found_inf=st["found_inf"], **kwargs)
         st["stage"] = _STEPPED
         return result
 

@@ -127,10 +127,12 @@ template <> inline V8 stale8<at::BFloat16>(V8 p, V8 w) {
   return _mm256_or_ps(written8(p, _mm256_castsi256_ps(r)).x, _mm256_cmp_ps(w.x, w.x, _CMP_UNORD_Q));
 }
 // +-0, nan or +-inf: no split remainder is kept over them (encodings._split_decode)
+inline __m256i nonfinite8(V8 x) {  // all bits set where x is nan or +-inf (exponent bits all ones)
+  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(x.x), _mm256_set1_epi32(0x7F800000));
+  return _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
+}
 inline V8 no_remainder8(V8 p) {
-  const __m256i e = _mm256_and_si256(_mm256_castps_si256(p.x), _mm256_set1_epi32(0x7F800000));
-  return _mm256_or_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7F800000))),
-                      _mm256_cmp_ps(p.x, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  return _mm256_or_ps(_mm256_castsi256_ps(nonfinite8(p)), _mm256_cmp_ps(p.x, _mm256_setzero_ps(), _CMP_EQ_OQ));
 }
 inline V8 select8(V8 take_b, V8 a, V8 b) { return _mm256_blendv_ps(a.x, b.x, take_b.x); }
 #endif
@@ -222,10 +224,6 @@ inline V8 split_decode8(at::BFloat16, V8 p, __m256i r) {
 }
 inline V8 split_decode8(at::Half, V8 p, __m256i r) {
   return p + V8(_mm256_cvtepi32_ps(r)) * (fp16_ulp8(p) * V8(1.0f / 65536.0f));
-}
-inline __m256i nonfinite8(V8 x) {  // all bits set where x is nan or +-inf (exponent bits all ones)
-  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(x.x), _mm256_set1_epi32(0x7F800000));
-  return _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
 }
 inline __m256i split_remainder8(at::BFloat16, V8 w, V8 rounded) {
   return _mm256_andnot_si256(nonfinite8(rounded), _mm256_sub_epi32(_mm256_castps_si256(w.x), _mm256_castps_si256(rounded.x)));

@@ -92,6 +92,12 @@ STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_a
 TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position") + STATE_COLUMNS
 
 if triton is not None:
+    # encodings.py's constants, as compile-time values of the kernels
+    _SALT_EXP_AVG = tl.constexpr(_SALT["exp_avg"])
+    _SALT_EXP_AVG_SQ = tl.constexpr(_SALT["exp_avg_sq"])
+    _DYN_ZERO_C = tl.constexpr(_DYN_ZERO)
+    _CODES_PER_OCTAVE = tl.constexpr(254.0 / V_OCTAVES)
+
     @triton.jit
     def _hash(position, seed_term):
         """encodings._random_bits (uint32): three xor-shift-multiply rounds of position ^ seed_term."""
@@ -156,7 +162,7 @@ if triton is not None:
         absmax = tl.load(absmax_ptr + bidx, mask=bmask, other=0.0)
         flagged = _signbit(absmax)[:, None]
         if IS_EXP_AVG:
-            index = (codes + 127) & 255
+            index = (codes + _DYN_ZERO_C) & 255
         else:
             index = codes
         x = tl.load(table_ptr + index) * tl.abs(absmax)[:, None]
@@ -224,9 +230,9 @@ if triton is not None:
                 index = tl.where(fl & reserved, 127, index)
                 special = tl.where(x == float("inf"), 128, tl.where(x == -float("inf"), 126, 129))
                 index = tl.where(finite, index, special)
-                codes = (index - 127) & 255
+                codes = (index - _DYN_ZERO_C) & 255
             else:  # the largest level <= y (estimated by log2, corrected by comparisons), stochastic rounding up
-                est = tl.floor(255.0 + tl.log2(tl.maximum(y, 1.1754944e-38)) * (254.0 / 24.0))
+                est = tl.floor(255.0 + tl.log2(tl.maximum(y, 1.1754944e-38)) * _CODES_PER_OCTAVE)
                 lo = tl.minimum(tl.maximum(est, 1.0), 254.0).to(tl.int32)
                 lo = lo + (tl.load(levels_ptr + lo + 1) <= y).to(tl.int32) - (tl.load(levels_ptr + lo) > y).to(tl.int32)
                 lo = tl.minimum(tl.maximum(lo, 1), 254)
@@ -339,9 +345,9 @@ if triton is not None:
         w = w - tl.div_rn(m, d) * step_size
 
         _store_moment(m, m_ptr, m_absmax_ptr, eidx, bidx, emask, bmask, position, seed, dyn_ptr, decades_ptr,
-                      levels_ptr, M_KIND, True, 0x3C6EF372)
+                      levels_ptr, M_KIND, True, _SALT_EXP_AVG)
         _store_moment(v, v_ptr, v_absmax_ptr, eidx, bidx, emask, bmask, position, seed, dyn_ptr, decades_ptr,
-                      levels_ptr, V_KIND, False, 0x1B873593)
+                      levels_ptr, V_KIND, False, _SALT_EXP_AVG_SQ)
         if MASTER == 0:
             _store_param(param, local, w, pmask, P_DTYPE)
         elif MASTER == 1:
@@ -375,7 +381,7 @@ if triton is not None:
         if ENCODE:
             x = tl.load(x_ptr + local)
             seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
-            salt: tl.constexpr = 0x3C6EF372 if IS_EXP_AVG else 0x1B873593
+            salt: tl.constexpr = _SALT_EXP_AVG if IS_EXP_AVG else _SALT_EXP_AVG_SQ
             _store_moment(x, code_ptr, absmax_ptr, local, blocks, emask, bmask, local.to(tl.uint32), seed, dyn_ptr,
                           decades_ptr, levels_ptr, 2, IS_EXP_AVG, salt)
         else:
@@ -387,7 +393,6 @@ _TL_DTYPES = {}
 if tl is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-assert _SALT == {"exp_avg": 0x3C6EF372, "exp_avg_sq": 0x1B873593} and _DYN_ZERO == 127 and V_OCTAVES == 24.0
 
 
 def work_list(sizes: List[int], device: torch.device) -> Tensor:
