@@ -1,11 +1,13 @@
-"""The fused kernel alone, per state encoding, against the fp32-state kernel in the same run.
+"""One kernel alone, per state encoding, against the fp32-state kernel and torch's fused AdamW in the same run.
 
-Times ``halfadam.executions._flat_kernel`` (compiled as the fused step compiles it) over one flat
-bucket of bf16 parameters for each state format: fp32 state, split master, bf16 ``exp_avg``, uint8
-``exp_avg``, uint8 ``exp_avg_sq``, the ``bf16`` and ``compact`` presets. No per-tensor entry costs:
-this isolates the cost of the encodings in the generated code. Prints ms and the ratio to fp32 state.
+Times ``halfadam.executions._flat_kernel`` (``--impl fused``: compiled as the fused step compiles it)
+or the C++ kernel's ``adam_step`` (``--impl cpp``) over one flat bucket of bf16 parameters for each
+state format: fp32 state, split master, bf16 ``exp_avg``, uint8 ``exp_avg``, uint8 ``exp_avg_sq``,
+the ``bf16`` and ``compact`` presets; and ``torch.optim.AdamW(fused=True)`` over as many fp32
+parameters. No per-tensor entry costs: this isolates the cost of each encoding, which is where a
+mode's step time goes. Prints ms and the ratios to the fp32 state and to torch.
 
-    python benchmarks/state_mode_kernels.py [--numel 4e6] [--threads 1] [--repeat 5]
+    python benchmarks/state_mode_kernels.py [--impl cpp] [--numel 4e6] [--threads 1] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from halfadam import encodings as E
 from halfadam import executions as X
 from halfadam.functional import adam_coefficients
+from halfadam.kernels import cpp as cpu_kernel
 
 FORMATS = {
     "fp32 state": E.StateFormat(),
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--numel", type=float, default=4e6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--impl", choices=("fused", "cpp"), default="fused")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = int(args.numel) // E.BLOCK * E.BLOCK
@@ -54,20 +58,31 @@ def main() -> None:
         kwargs = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay="decoupled",
                       optimized_update=False)
         seed, tables = E.random_seed(fmt, 3, device), E.tables(fmt, device)
-        runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, tables=tables, kwargs=kwargs:
-                      X._run_kernel("fused", stored, grad, param, coefficients, seed, tables, None, **kwargs))
+        if args.impl == "cpp":
+            kernel, floats = cpu_kernel.load(), [float(c) for c in coefficients]
+            runs[name] = (lambda stored=stored, grad=grad, param=param, tables=tables:
+                          kernel.adam_step([param], [grad], stored, [0], floats, None, False, False, 3, tables or (), []))
+        else:
+            runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, tables=tables, kwargs=kwargs:
+                          X._run_kernel("fused", stored, grad, param, coefficients, seed, tables, None, **kwargs))
         runs[name]()  # compile
+    weight = torch.nn.Parameter(torch.randn(n) * 0.02)
+    weight.grad = torch.randn(n) * 1e-3
+    torch_opt = torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=True)
+    runs["torch fused (fp32)"] = torch_opt.step
+    torch_opt.step()
     times = {k: [] for k in runs}
     for _ in range(args.repeat):
         for name, run in runs.items():
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["fp32 state"])
-    print(f"{n / 1e6:.1f}M bf16 elements in one bucket, {args.threads} thread(s); median of {args.repeat}")
+    base, ref = statistics.median(times["fp32 state"]), statistics.median(times["torch fused (fp32)"])
+    print(f"{n / 1e6:.1f}M bf16 elements in one bucket, {args.impl} kernel, {args.threads} thread(s); "
+          f"median of {args.repeat}")
     for name in runs:
         t = statistics.median(times[name])
-        print(f"  {name:18s} {t * 1e3:8.2f} ms  {t / base:6.2f}x fp32 state")
+        print(f"  {name:18s} {t * 1e3:8.2f} ms  {t / base:6.2f}x fp32 state  {t / ref:6.2f}x torch fused")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from halfadam import bench
 
 
 def test_bench_json_rows(capsys):
-    argv = ["--sizes", "20000", "--tensors", "4", "--no-small", "--impls", "reference,foreach",
+    argv = ["--sizes", "20480", "--tensors", "4", "--no-small", "--impls", "reference,foreach",
             "--dtypes", "fp16,fp32", "--warmup", "1", "--repeat", "2", "--json"]
     assert bench.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -21,10 +21,10 @@ def test_bench_json_rows(capsys):
         assert abs(r["gb_per_s"] - 28 / r["ns_per_param"]) < 1e-6 * r["gb_per_s"] + 1e-9
     assert {r["vs_torch_fused"] for r in rows if r["impl"] == "torch fused"} == {1.0}
     state = {(r["impl"], r["dtype"], r.get("state")): r for r in rows}
-    # state bytes per parameter (20,000 elements in 4 tensors of 5,000: blocks of 128 pad each to 5,120)
-    assert state[("torch fused", "fp32", None)]["state_bytes_per_param"] == 8 + 4 * 4 / 20000  # + the 0-d steps
-    assert state[("halfadam foreach", "fp16", "fp32")]["state_bytes_per_param"] == 12 + 4 * 4 / 20000
-    compact = 5120 / 5000 * (2 + 1 + 1) + 40 / 5000 * (1 + 4 + 4) + 4 * 4 / 20000
+    # state bytes per parameter (20,480 elements in 4 tensors of 40 rows of 128: a block per row)
+    assert state[("torch fused", "fp32", None)]["state_bytes_per_param"] == 8 + 4 * 4 / 20480  # + the 0-d steps
+    assert state[("halfadam foreach", "fp16", "fp32")]["state_bytes_per_param"] == 12 + 4 * 4 / 20480
+    compact = (2 + 1 + 1) + (1 + 4 + 4) / 128 + 4 * 4 / 20480  # remainder, codes; tie byte and absmaxes per block
     assert state[("halfadam foreach", "fp16", "compact")]["state_bytes_per_param"] == pytest.approx(compact)
     assert state[("halfadam foreach", "fp32", "compact")]["vs_fp32_state"] > 0
     assert state[("halfadam foreach", "fp16", "fp32")]["vs_fp32_state"] == 1.0

@@ -153,6 +153,9 @@ def test_python_m_halfadam_subprocess(text_file, tmp_path):
         (["--task", "digits", "--text", "x.txt"], "--text only applies"),
         (["--task", "digits", "--batch-size", "15", "--nproc", "2"], "--batch-size 15 must be divisible by --nproc 2"),
         (["--nproc", "0"], "positive integer"),
+        (["--dist", "fsdp", "--resume", "ckpt"], "--dist fsdp runs without --resume"),
+        (["--dist", "fsdp", "--peers"], "--dist fsdp runs without the peer modes"),
+        (["--dist", "zero"], "invalid choice"),
     ],
 )
 def test_errors_are_one_line(args, expected, tmp_path, capsys):
@@ -369,6 +372,30 @@ def test_nproc_2_matches_one_process(tmp_path, capfd):
     # each rank's loss is its share of the global mean and DDP sums: the scaler sees what one process sees
     assert two["modes"]["fp16-halfadam"]["skipped_steps"] == one["modes"]["fp16-halfadam"]["skipped_steps"]
     assert two["modes"]["fp16-halfadam"]["final_loss_scale"] == one["modes"]["fp16-halfadam"]["final_loss_scale"]
+
+
+@needs_gloo
+@pytest.mark.distributed
+def test_nproc_2_fsdp_matches_one_process(tmp_path, capfd):
+    """--dist fsdp: every mode sharded by FSDP2 (compact's per-block state included) trains as one
+    process does, up to the summation order, and reports the job's total state bytes."""
+    pytest.importorskip("sklearn")
+    assert main(NPROC_ARGS + ["--out", str(tmp_path / "one")]) == 0
+    capfd.readouterr()
+    assert main(NPROC_ARGS + ["--out", str(tmp_path / "two"), "--nproc", "2", "--dist", "fsdp"]) == 0
+    out = capfd.readouterr().out
+    assert "data-parallel: 2 processes (FSDP2: parameters, gradients and optimizer state sharded, gloo)" in out
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert two["config"]["dist"] == "fsdp" and list(two["modes"]) == ALL_MODES
+    for name, m in two["modes"].items():
+        ref = one["modes"][name]
+        assert m["diverged_at_step"] == ref["diverged_at_step"], name
+        assert m["optimizer_state_bytes_per_param"] == ref["optimizer_state_bytes_per_param"], name
+        if ref["diverged_at_step"] is None:
+            assert m["val_loss"][0] == ref["val_loss"][0]
+            tol = 1e-5 if name == "fp32" else 2e-3
+            assert max(abs(x - y) / abs(y) for x, y in zip(m["val_loss"], ref["val_loss"])) < tol, name
+    assert two["modes"]["fp16-halfadam"]["skipped_steps"] == one["modes"]["fp16-halfadam"]["skipped_steps"]
 
 
 def _crash_on_rank_1(rank, world, args, error_dir):

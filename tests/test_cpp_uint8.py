@@ -165,10 +165,11 @@ def test_exp_avg_sq_low_level_rule():
 def test_one_kernel_step_encodes_the_fp32_state_values(dtype):
     """One C++ step from fresh state in compact and in fp32 state: the compact run's codes and absmax are
     ``_encode_moment_`` of the fp32 run's exp_avg and exp_avg_sq (seed = step 1), with gradients that
-    make blocks of zeros, subnormal and huge moments, an overflowing g * g, nan and inf."""
+    make blocks of zeros, subnormal and huge moments, an overflowing g * g, nan and inf (rows of 1 to 3
+    blocks; a 1-D parameter keeps float32 moments in both runs)."""
     def run(mode):
         torch.manual_seed(0)
-        shapes = [(70000,), (300, 3), (5,), (128, 2)]
+        shapes = [(547, 128), (300, 384), (5,), (1, 256)]
         params = [torch.randn(s).to(dtype).requires_grad_() for s in shapes]
         opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation="cpp", state_mode=mode)
         torch.manual_seed(1)
@@ -179,12 +180,13 @@ def test_one_kernel_step_encodes_the_fp32_state_values(dtype):
         g[384:512] *= 1e18  # exp_avg_sq ~1e33
         g[512 + 9] = 1e30  # g * g overflows: exp_avg_sq inf, a flagged block
         g[640 + 3], g[768 + 100], g[896 + 127] = math.nan, math.inf, -math.inf
-        g[-1] = math.nan  # the last, partial block
+        g[-1] = math.nan  # the last block
         grads[params[1]].view(-1)[:128] = 2.0 ** -130
         opt.step(grads=grads)
         return params, opt
     (p32, o32), (p8, o8) = run("fp32"), run("compact")
-    for a, b in zip(p32, p8):
+    assert o8.state[p8[2]]["exp_avg"].dtype == torch.float32  # 1-D: no blocks
+    for a, b in zip(p32[:2] + p32[3:], p8[:2] + p8[3:]):
         n = a.numel()
         s32, s8 = o32.state[a], o8.state[b]
         for name in NAMES:
@@ -192,8 +194,9 @@ def test_one_kernel_step_encodes_the_fp32_state_values(dtype):
             x[:n] = s32[name].reshape(-1)
             want = _spec_encode(name, x, 1)
             assert torch.equal(s8[name].reshape(-1), want[name][:n]), name
-            assert torch.equal(_bits(s8[f"{name}_absmax"]), _bits(want[f"{name}_absmax"])), name
-    flagged = o8.state[p8[0]]["exp_avg_sq_absmax"].view(torch.int32) < 0
+            assert s8[f"{name}_absmax"].shape == (a.shape[0], a[0].numel() // 128)
+            assert torch.equal(_bits(s8[f"{name}_absmax"].reshape(-1)), _bits(want[f"{name}_absmax"])), name
+    flagged = o8.state[p8[0]]["exp_avg_sq_absmax"].view(torch.int32).view(-1) < 0
     assert flagged[4] and flagged[5] and flagged[-1] and not flagged[0]
 
 
@@ -211,14 +214,15 @@ FORMATS = {
     "split+uint8-exp_avg": dict(state_mode="split", exp_avg_dtype=torch.uint8),
     "fp32+uint8-exp_avg_sq": dict(state_mode="fp32", exp_avg_sq_dtype=torch.uint8),
 }
-#: two direct parameters (>= 65536 elements), packed ones with partial last blocks, a strided one
-SHAPES = [(300, 257), (70001,), (5,), (128, 3), (129,)]
+#: two direct parameters (>= 65536 elements), a packed one, two 1-D ones (float32 moments: rows of one
+#: element are not whole blocks), and a strided one (appended in _train)
+SHAPES = [(300, 256), (547, 128), (5,), (3, 128), (129,)]
 
 
 def _train(impl, dtype, cls, kw, steps=4, poison=False):
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
-    params.append(torch.nn.Parameter(torch.randn(9, 40, generator=g).to(dtype).t()))  # strided
+    params.append(torch.nn.Parameter(torch.randn(256, 3, generator=g).to(dtype).t()))  # strided, rows of 256
     opt = cls(params, lr=1e-2, implementation=impl, **kw)
     for t in range(steps):
         grads = {p: torch.randn(p.shape[::-1], generator=g).t() if p.dim() == 2 and not p.is_contiguous()
@@ -227,7 +231,7 @@ def _train(impl, dtype, cls, kw, steps=4, poison=False):
             del grads[params[3]]  # a parameter without a gradient this step
         if poison and t == 2:
             grads[params[0]].view(-1)[200] = math.nan
-            grads[params[1]].view(-1)[70000] = math.inf  # the last, partial block
+            grads[params[1]].view(-1)[-1] = math.inf  # the last block
         scale = torch.tensor([0.5]) if t == 3 else None
         opt.step(grads=grads, grad_scale=scale)
     return params, opt
@@ -262,6 +266,7 @@ def test_training_with_nonfinite_gradients_is_the_reference(fmt):
     params, opt = cpp
     assert int(params[0].isnan().sum()) == 1 and int(params[1].isnan().sum()) == 1
     assert (opt.state[params[0]]["exp_avg_sq_absmax"].view(torch.int32) < 0).sum() == 1
+    assert (opt.state[params[1]]["exp_avg_sq_absmax"].view(torch.int32)[-1] < 0).all()
 
 
 def test_threads_split_the_work_not_the_bytes():

@@ -18,7 +18,9 @@ from halfadam import encodings as E
 from halfadam.checkpoint import CheckpointError
 
 CPU = torch.device("cpu")
-SHAPES = [(300, 257), (5,), (128, 3), (70000,)]  # direct and packed, padded blocks
+#: Direct (>= 65536 elements) and packed; the 2-D ones have rows of whole blocks (the per-block
+#: encodings apply), the 1-D ones keep float32 fields in their place (and have padded blocks).
+SHAPES = [(300, 256), (5,), (3, 128), (70000,)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,44 +268,47 @@ def test_written_zeros_keep_the_fp32_modes_signs(dtype, impl):
     assert torch.equal(_bits(out["split"]), _bits(out["fp32"]))  # (bf16 moments: m has other roundings)
 
 
+@pytest.mark.parametrize("which", ["weight", "bias"])
 @pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
-def test_float_after_half_steps_is_the_master(mode):
+def test_float_after_half_steps_is_the_master(mode, which):
     """model.float() after bf16 steps: the fp32 parameter is the master the optimizer trained, bit for
-    bit (bf16 -> fp32 is exact and the remainder is kept)."""
-    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    bit (bf16 -> fp32 is exact and the remainder is kept); for the weight (rows of whole blocks: a split
+    master) and for the bias (1-D: an fp32 master, as in the fp32 state mode)."""
+    lin = torch.nn.Linear(128, 48).to(torch.bfloat16)  # the weight's rows are one block: per-block state
     opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode=mode)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p in lin.parameters():
             p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         opt.step()
-    masters = [opt.master_weight(p).clone() for p in lin.parameters()]
-    assert not torch.equal(masters[0], lin.weight.float())  # the master has bits the parameter lacks
+    p = getattr(lin, which)
+    assert ("master_lo" if which == "weight" else "master_weight") in opt.state[p]  # split; 1-D: fp32
+    m = opt.master_weight(p).clone()
+    assert not torch.equal(m, p.float())  # the master has bits the parameter lacks
     lin.float()
-    for p, m in zip(lin.parameters(), masters):
-        assert torch.equal(opt.master_weight(p), m)
-        assert torch.equal(p.detach(), m)
+    assert torch.equal(opt.master_weight(p), m)
+    assert torch.equal(p.detach(), m)
     lin.bfloat16()  # the float32 weight is rounded: the master restarts from the parameter, as in the fp32 mode
-    for p, m in zip(lin.parameters(), masters):
-        assert torch.equal(p.detach(), m.bfloat16()) and torch.equal(opt.master_weight(p), p.float())
+    assert torch.equal(p.detach(), m.bfloat16()) and torch.equal(opt.master_weight(p), p.float())
 
 
 def test_split_checkpoint_of_float16_parameters_refuses_a_bfloat16_model():
-    lin = torch.nn.Linear(32, 32).half()
+    lin = torch.nn.Linear(128, 32).half()
     opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
     for p in lin.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
     sd = opt.state_dict()
-    assert sd["state"][0]["remainder_dtype"] == "float16"
+    assert sd["state"][0]["remainder_dtype"] == "float16"  # the weight (rows of one block): split
+    assert "remainder_dtype" not in sd["state"][1] and "master_weight" in sd["state"][1]  # the bias: fp32
     assert "remainder_dtype" not in opt.state[lin.weight]  # only in the state_dict
-    target = torch.nn.Linear(32, 32).bfloat16()
+    target = torch.nn.Linear(128, 32).bfloat16()
     target.load_state_dict({k: v.bfloat16() for k, v in lin.state_dict().items()})
     opt2 = halfadam.AdamW(target.parameters(), lr=1e-3, state_mode="split")
     with pytest.raises(CheckpointError, match="remainders over a float16 parameter.*bfloat16"):
         opt2.load_state_dict(sd)
     assert not opt2.state
-    same = torch.nn.Linear(32, 32).half()
+    same = torch.nn.Linear(128, 32).half()
     same.load_state_dict(lin.state_dict())
     opt3 = halfadam.AdamW(same.parameters(), lr=1e-3, state_mode="split")
     opt3.load_state_dict(sd)
@@ -360,7 +365,7 @@ def test_fp16_to_bf16_restarts_split_masters_with_a_warning():
     """A split master is a remainder over the float16 value, which bfloat16 (3 bits fewer) does not
     hold: after model.bfloat16() the masters restart from the converted parameters, with one warning;
     the fp32 state keeps its masters. bf16 -> fp16 keeps them in fp16's normal range, exactly."""
-    lin = torch.nn.Linear(100, 10).half()
+    lin = torch.nn.Linear(128, 10).half()
     opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
     for p in lin.parameters():
         p.grad = torch.randn_like(p)
@@ -369,7 +374,7 @@ def test_fp16_to_bf16_restarts_split_masters_with_a_warning():
     with pytest.warns(UserWarning, match="float16 parameter with a split master .* restart from the converted"):
         m = opt.master_weight(lin.weight)
     assert torch.equal(m, lin.weight.float())
-    lin = torch.nn.Linear(100, 10).bfloat16()
+    lin = torch.nn.Linear(128, 10).bfloat16()
     opt = halfadam.AdamW(lin.parameters(), lr=1e-3, state_mode="split")
     for p in lin.parameters():
         p.grad = torch.randn_like(p)

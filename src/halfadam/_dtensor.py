@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+import math
+
+import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "localize", "flat_offset"]
+__all__ = ["is_dtensor", "local", "localize", "flat_offset", "row_sharded", "zeros_like_rows", "like_param"]
 
 try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
     from torch.distributed.tensor import DTensor as _DTensor
@@ -28,22 +31,54 @@ def local(t: Any) -> Any:
     return t.to_local() if is_dtensor(t) else t
 
 
-def flat_offset(t: Any) -> int:
-    """The index in the flattened global tensor of the first element of ``t``'s local shard: 0 for a
-    plain tensor; for a ``DTensor`` whose shard is a run of whole rows (FSDP2's ``Shard(0)``, also
-    under ``Replicate``), its first row times the row's size. For other layouts (a shard that is not
-    one run of the flattened tensor) 0: its elements then count from the shard's start."""
-    if not is_dtensor(t):
-        return 0
+def _first_row(t: Any) -> Any:
+    """The first row (index of dim 0) of ``t``'s local shard in the global tensor when that shard is a
+    run of whole rows (FSDP2's ``Shard(0)``, ``Replicate``, a 2-D HSDP mesh of both), else ``None``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(shape[1:]) != tuple(t.shape[1:]) or any(offset[1:]):
+        return None
+    return int(offset[0]) if len(offset) else 0
+
+
+def flat_offset(t: Any) -> int:
+    """The index in the flattened global tensor of the first element of ``t``'s local shard: 0 for a
+    plain tensor; for a ``DTensor`` whose shard is a run of whole rows, its first row times the row's
+    size. For other layouts (a shard that is not one run of the flattened tensor) 0: its elements
+    then count from the shard's start."""
+    if not is_dtensor(t):
         return 0
-    row = 1
-    for n in t.shape[1:]:
-        row *= n
-    return int(offset[0]) * row if len(offset) else 0
+    first = _first_row(t)
+    return 0 if first is None else first * math.prod(t.shape[1:])
+
+
+def row_sharded(t: Any) -> bool:
+    """Whether ``t`` is a plain tensor or a ``DTensor`` whose local shard is a run of whole rows: the
+    layouts per-block state follows (:func:`halfadam.encodings.rows_fit_blocks`)."""
+    return not is_dtensor(t) or _first_row(t) is not None
+
+
+def zeros_like_rows(param: Any, shape: Tuple[int, ...], dtype: torch.dtype) -> Any:
+    """Zeros of ``shape`` (``shape[0]``: the parameter's rows) on ``param``'s device; for a row-sharded
+    ``DTensor`` parameter a ``DTensor`` of the same placements whose local shard holds the rows of
+    ``param``'s local shard, so per-row state is sharded with its parameter."""
+    if not is_dtensor(param):
+        return torch.zeros(shape, dtype=dtype, device=param.device)
+    lp = param.to_local()
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return _DTensor.from_local(torch.zeros((lp.shape[0], *shape[1:]), dtype=dtype, device=lp.device),
+                               param.device_mesh, param.placements, run_check=False, shape=torch.Size(shape),
+                               stride=stride)
+
+
+def like_param(t: Tensor, param: Any) -> Any:
+    """``t`` (a tensor of ``param``'s local shape) as ``param`` is: itself for a plain parameter, else
+    the local shard of a ``DTensor`` of ``param``'s mesh, placements, shape and stride."""
+    if not is_dtensor(param):
+        return t
+    return _DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                               stride=param.stride())
 
 
 def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
@@ -62,3 +97,4 @@ def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         local_pairs.append((lp, local(g)))
         local_state[lp] = {k: local(v) for k, v in state[p].items()}
     return local_pairs, local_state
+

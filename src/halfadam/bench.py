@@ -46,7 +46,7 @@ import torch
 from halfadam.cli.errors import CLIError
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
 from halfadam.cli.train import _nonnegative_int, _positive_int, _resolve_device
-from halfadam.encodings import PRESETS
+from halfadam.encodings import BLOCK, PRESETS
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
@@ -92,8 +92,9 @@ def _fmt(n: int) -> str:
 
 
 def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> List[torch.Tensor]:
-    """The case's parameters (``case["shapes"]``, or ``numel`` split into ``tensors`` equal 1-D tensors)
-    with gradients; values drawn on the CPU, or on the device for a shapes case (a 1.3B model)."""
+    """The case's parameters (``case["shapes"]``, or ``numel`` split into ``tensors`` equal tensors: rows of
+    BLOCK elements where the size allows, so the per-block state modes apply, else 1-D) with gradients;
+    values drawn on the CPU, or on the device for a shapes case (a 1.3B model)."""
     numel, tensors = case["numel"], case["tensors"]
     if "shapes" in case:
         g = torch.Generator(device=device).manual_seed(seed)
@@ -101,7 +102,8 @@ def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: in
     else:
         g, on = torch.Generator().manual_seed(seed), {}
         per = numel // tensors
-        shapes = [(per if i < tensors - 1 else numel - per * (tensors - 1),) for i in range(tensors)]
+        sizes = [per if i < tensors - 1 else numel - per * (tensors - 1) for i in range(tensors)]
+        shapes = [(n // BLOCK, BLOCK) if n % BLOCK == 0 else (n,) for n in sizes]
     params = []
     for shape in shapes:
         p = (torch.randn(shape, generator=g, **on) * 0.02).to(device=device, dtype=dtype).requires_grad_()

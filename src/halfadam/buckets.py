@@ -29,16 +29,20 @@ __all__ = ["Bucket", "bucket_key", "build_buckets"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-def bucket_key(param: Tensor, use_master: bool) -> Optional[Tuple[torch.device, torch.dtype, bool]]:
+def bucket_key(param: Tensor, use_master: bool, fmt: StateFormat = StateFormat()
+               ) -> Optional[Tuple[torch.device, torch.dtype, bool, StateFormat]]:
     """The bucket a parameter belongs to, or ``None`` if it keeps separately allocated state.
 
-    DTensor parameters (FSDP2) keep per-parameter DTensor state, sharded like the parameter, so that
-    ``torch.distributed.checkpoint`` saves it sharded; their update runs on local shards.
+    Parameters of one bucket share a device, a dtype, a master setting and the format that applies
+    to them (:func:`halfadam.encodings.for_param`: a parameter whose rows are not whole blocks
+    keeps float32 fields where ``fmt`` has per-block ones). DTensor parameters (FSDP2) keep
+    per-parameter DTensor state, sharded like the parameter, so that ``torch.distributed.checkpoint``
+    saves it sharded; their update runs on local shards.
     """
     if is_dtensor(param) or not param.requires_grad:
         return None
     if param.dtype == torch.float32 or (param.dtype in _HALF_DTYPES and use_master):
-        return (param.device, param.dtype, bool(use_master))
+        return (param.device, param.dtype, bool(use_master), encodings.for_param(fmt, param, use_master))
     return None
 
 
@@ -131,8 +135,9 @@ class Bucket:
         return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
 
     def block_view(self, flat: Tensor, i: int) -> Tensor:
-        """Parameter ``i``'s view of a flat per-block buffer (1-D, ``ceil(numel / BLOCK)`` long)."""
-        return flat[self.offsets[i] // BLOCK:(self.offsets[i] + self.sizes[i]) // BLOCK]
+        """Parameter ``i``'s view of a flat per-block buffer, of :func:`halfadam.encodings.block_shape`."""
+        return flat[self.offsets[i] // BLOCK:(self.offsets[i] + self.sizes[i]) // BLOCK].view(
+            encodings.block_shape(tuple(self.params[i].shape)))
 
     def views(self, flat: Tensor) -> List[Tensor]:
         """Every parameter's view of ``flat`` (one of this bucket's per-element buffers; cached)."""
@@ -193,7 +198,7 @@ def build_buckets(params: List[Tensor], use_master: List[bool], fmt: StateFormat
     """Split ``params`` (in order) into buckets by :func:`bucket_key`, keeping their order."""
     groups: Dict[tuple, List[Tensor]] = {}
     for p, m in zip(params, use_master):
-        key = bucket_key(p, m)
+        key = bucket_key(p, m, fmt)
         if key is not None:
             groups.setdefault(key, []).append(p)
     return [Bucket(ps, key[2], fmt, steps_on_device) for key, ps in groups.items()]

@@ -82,9 +82,13 @@ zero, indices 126, 128, 129, mean -inf, +inf, nan; ``exp_avg_sq``: codes 1, 2 me
 the finite values that would take those codes take 0.0 (``exp_avg``, an error below 6e-6 of the
 absmax) or code 3 (``exp_avg_sq``). Blocks without one are stored exactly as before.
 
-Layout: per-element keys have the parameter's shape; per-block keys (``*_absmax``, ``master_tie``)
-are 1-D, ``ceil(numel / 128)`` long; blocks run over the flattened parameter, the last one padded
-with zeros. In flat buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
+Layout: per-element keys have the parameter's shape. Blocks are 128 consecutive elements of the
+flattened parameter and never straddle a row (an index of dim 0): the per-block encodings apply only
+to parameters whose rows hold whole blocks (:func:`rows_fit_blocks`; others store those fields in
+float32, :func:`for_param`), and per-block keys (``*_absmax``, ``master_tie``) have the shape
+``(rows, blocks per row)`` (:func:`block_shape`), so FSDP2 shards them with the parameter's rows and a
+shard's state is exactly the unsharded state's rows, on any number of ranks; no padding anywhere.
+In flat buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
 """
 
 from __future__ import annotations
@@ -97,10 +101,12 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from ._dtensor import zeros_like_rows
 from .functional import adam_elementwise_, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
            "decode_state", "encode_state_", "encoded_update_", "update_param_", "tables", "bytes_per_element", "for_param",
+           "rows_fit_blocks", "block_shape",
            "format_of", "convert_state"]
 
 #: Elements per quantization block (per-block keys have one entry per block).
@@ -180,14 +186,42 @@ def state_format(state_mode: str = "fp32", *, store_param_remainders: Optional[b
     return StateFormat(master, *dtypes)
 
 
+def rows_fit_blocks(shape: Tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` can keep per-block state: it has a dim 0 (the dim FSDP2
+    shards) and every index of it, a *row*, holds a whole number of blocks (the product of the other
+    dims a positive multiple of BLOCK). Blocks then never straddle a row, so no shard of whole rows, on
+    any number of ranks, cuts one: the encoded state does not depend on the sharding. (A shard of
+    whole rows, even an empty one, gets the answer of its whole parameter.)"""
+    row = math.prod(shape[1:])
+    return len(shape) >= 2 and row > 0 and row % BLOCK == 0
+
+
+def block_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The shape of the per-block keys of a parameter of ``shape``: ``(rows, blocks per row)`` where
+    :func:`rows_fit_blocks` (sharded with the parameter's rows), else ``(ceil(numel / BLOCK),)``
+    (the layout of checkpoints written before 2026-12-01, read for conversion)."""
+    if rows_fit_blocks(shape):
+        return (shape[0], math.prod(shape[1:]) // BLOCK)
+    return (n_blocks(math.prod(shape)),)
+
+
 def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     """The format that applies to ``param``: float64 keeps float32 -> float64 state (fp32 format);
-    no master for float32 parameters or with master weights off (``master`` then means nothing)."""
+    no master for float32 parameters or with master weights off (``master`` then means nothing).
+
+    The per-block encodings (a split master, uint8 moments) need rows of whole blocks
+    (:func:`rows_fit_blocks`); a parameter without them (1-D: biases, norm weights; rows of 64 or 200
+    elements) stores those fields in float32 (an fp32 master, float32 moments), as bitsandbytes keeps
+    32-bit state for small tensors. So a parameter's format depends on its shape, never on how it is
+    sharded."""
     if param.dtype == torch.float64:
         return StateFormat()
-    if not (use_master and param.dtype in _HALF):
-        return StateFormat("fp32", fmt.exp_avg, fmt.exp_avg_sq)
-    return fmt
+    master = fmt.master if use_master and param.dtype in _HALF else "fp32"
+    exp_avg, exp_avg_sq = fmt.exp_avg, fmt.exp_avg_sq
+    if not rows_fit_blocks(tuple(param.shape)):
+        master = "fp32"
+        exp_avg, exp_avg_sq = (torch.float32 if dt == torch.uint8 else dt for dt in (exp_avg, exp_avg_sq))
+    return StateFormat(master, exp_avg, exp_avg_sq)
 
 
 #: Every per-element state key of any encoding (besides ``step``), and every per-block one.
@@ -553,7 +587,7 @@ def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Te
         state[key] = (param.detach().to(torch.float32, copy=True) if key == "master_weight"
                       else torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format))
     for key, dtype in block_keys(fmt, has_master).items():
-        state[key] = torch.zeros(n_blocks(param.numel()), dtype=dtype, device=param.device)
+        state[key] = zeros_like_rows(param, block_shape(tuple(param.shape)), dtype)
     return state
 
 
@@ -583,7 +617,7 @@ def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> T
     length = n_blocks(param.numel()) * BLOCK
     with_master = has_master(state)
     stored = {k: _pad(state[k], length, param) for k in element_keys(fmt, with_master)}
-    stored.update({k: state[k].clone() for k in block_keys(fmt, with_master)})
+    stored.update({k: state[k].reshape(-1).clone() for k in block_keys(fmt, with_master)})
     return stored, _pad(param, length, param)
 
 

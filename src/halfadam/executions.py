@@ -12,8 +12,8 @@
   ``TRITON_INTERPRET=1``), one launch per bucket through a table of the tensors' addresses;
 * :func:`capturable_step`: the Triton launch with the step counts and coefficients on the device and
   ``found_inf`` read by the kernel (``capturable=True``: nothing read on the host);
-* :func:`shard_step`: Triton launches for parameters with their own state tensors (FSDP2's local
-  shards), whose addresses ride in the tensor table.
+* :func:`shard_step`: kernel calls for parameters with their own state tensors (FSDP2's local
+  shards): C++ calls on the CPU; Triton launches on a GPU, the state addresses in the tensor table.
 
 Which one ``"auto"`` runs: ``"cpp"`` for CPU buckets when the kernel builds (it moves each byte once,
 with no per-call entry cost); ``"triton"`` for CUDA buckets (and FSDP2 shards) where the triton
@@ -281,7 +281,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
                                 _triton().scalars(coefficients, int(step), device)):
             bucket.advance_steps(subset)
             return
-    kernel = _cpp_kernel(bucket, implementation)
+    kernel = _cpp_kernel(bucket.device, bucket.format, implementation)
     if kernel is not None:
         _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
         bucket.advance_steps(subset)
@@ -382,26 +382,39 @@ def _triton_runs(device: torch.device, implementation: str, what: Callable[[], s
 def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
                implementation: str, grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat(),
                offsets: Optional[List[int]] = None) -> List[int]:
-    """Triton launches for parameters whose state tensors are their own (FSDP2's local shards, whose
-    state stays DTensors sharded like them for DCP): the tensor table carries each one's state
-    addresses, one launch per (device, dtype, state format, step count). Takes the parameters the
-    kernel runs (``implementation`` "triton", or "auto" on CUDA) in formats without per-block state;
-    ``offsets``: each shard's first element in its whole parameter (the random bits' positions).
-    Returns the indices of ``pairs`` it did not take (for :func:`reference_step`)."""
-    left, groups = [], {}
+    """Kernel calls for parameters whose state tensors are their own (FSDP2's local shards, whose state
+    stays DTensors sharded like them for DCP), in every state format: on a GPU the Triton kernel, its
+    tensor table carrying each shard's state addresses, one launch per (device, dtype, state format,
+    step count); on the CPU the C++ kernel, one call per shard. ``offsets``: each shard's first
+    element in its whole parameter (the random bits' positions). Takes the contiguous parameters (with
+    contiguous state) the kernel runs for ``implementation`` ("auto", "triton" or "cpp"); returns the
+    indices of ``pairs`` it did not take (for :func:`reference_step`)."""
+    left, launches = [], {}
     for k, (p, g) in enumerate(pairs):
         st = state[p]
         with_master = encodings.has_master(st)
         pfmt = for_param(fmt, p, with_master)
-        takes = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
-            and p.is_contiguous() and not encodings.block_keys(pfmt, with_master) \
-            and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}")
-        if takes:
-            groups.setdefault((p.device, p.dtype, pfmt, with_master, int(st["step"].item())), []).append(k)
+        keys = [*encodings.element_keys(pfmt, with_master), *encodings.block_keys(pfmt, with_master)]
+        fits = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
+            and p.is_contiguous() and all(st[key].is_contiguous() for key in keys)
+        step = int(st["step"].item())
+        if fits and p.device.type == "cpu" and _cpp_kernel(p.device, pfmt, implementation) is not None:
+            coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
+                                              weight_decay=hp.weight_decay, decay=hp.decay,
+                                              optimized_update=hp.optimized_update)
+            cpu_kernel.loaded().adam_step(
+                [p], [g], {key: st[key].view(-1) for key in keys}, [0], coefficients,
+                None if grad_scale is None else grad_scale.to(device="cpu", dtype=torch.float32).reshape(()),
+                hp.decay == "l2", hp.optimized_update, step + 1, encodings.tables(pfmt, p.device) or (),
+                [offsets[k] if offsets else 0])
+            st["step"] += 1
+        elif fits and implementation in ("auto", "triton") \
+                and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}"):
+            launches.setdefault((p.device, p.dtype, pfmt, with_master, step), []).append(k)
         else:
             left.append(k)
-    triton_kernel = _triton()
-    for (device, dtype, pfmt, with_master, step), ks in groups.items():
+    for (device, dtype, pfmt, with_master, step), ks in launches.items():
+        triton_kernel = _triton()
         params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
         gdtype = _launch_grad_dtype(grads, dtype)
         grads = [g.to(gdtype).contiguous() for g in grads]
@@ -484,20 +497,20 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
         p.copy_(view)
 
 
-def _cpp_kernel(bucket: Bucket, implementation: str):
-    """The C++ kernel module if ``implementation`` runs it on ``bucket``, else ``None``.
+def _cpp_kernel(device: torch.device, fmt: StateFormat, implementation: str):
+    """The C++ kernel module if ``implementation`` runs it on parameters on ``device`` in ``fmt``, else ``None``.
 
     Raises:
-        RuntimeError: ``implementation="cpp"`` and the bucket is not on the CPU, or the kernel is
+        RuntimeError: ``implementation="cpp"`` and ``device`` is not the CPU, or the kernel is
             unavailable here (the reason is in the message).
     """
     if implementation not in ("cpp", "auto"):
         return None
-    if bucket.device.type != "cpu":
+    if device.type != "cpu":
         if implementation == "cpp":
             raise RuntimeError(
-                f"implementation='cpp' runs CPU parameters only; this bucket is on {bucket.device} in "
-                f"{bucket.format.describe()}: use implementation='auto' or 'fused'")
+                f"implementation='cpp' runs CPU parameters only; these are on {device} in "
+                f"{fmt.describe()}: use implementation='auto' or 'fused'")
         return None
     kernel = cpu_kernel.load()
     if kernel is None and implementation == "cpp":
@@ -521,7 +534,8 @@ def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyper
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
     kernel.adam_step(params, [g for _, g in items], bucket.flat, offsets, coefficients, grad_scale,
-                     hp.decay == "l2", hp.optimized_update, step, encodings.tables(bucket.format, bucket.device) or ())
+                     hp.decay == "l2", hp.optimized_update, step, encodings.tables(bucket.format, bucket.device) or (),
+                     [])
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

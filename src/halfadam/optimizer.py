@@ -19,7 +19,7 @@ from torch import Tensor
 from . import hyperparams
 from . import state_dict as _state_dict
 from . import encodings
-from ._dtensor import flat_offset, is_dtensor, local, localize
+from ._dtensor import flat_offset, is_dtensor, like_param, local, localize, row_sharded
 from .buckets import Bucket, bucket_key, build_buckets
 from .executions import IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step, shard_step
 from .functional import DECAY_MODES, sync_master_
@@ -118,12 +118,13 @@ class _AdamBase(torch.optim.Optimizer):
         if encodings.block_keys(self.state_format, True):
             for gi, g in enumerate(groups):
                 for j, p in enumerate(g["params"]):
-                    if is_dtensor(p):
+                    if not row_sharded(p) and encodings.block_keys(
+                            encodings.for_param(self.state_format, p, True), True):
                         raise ValueError(
-                            f"param_groups[{gi}]['params'][{j}] is a DTensor (FSDP2); the state format "
-                            f"{self.state_format.describe()} keeps per-block state, which is not supported for "
-                            f"DTensor parameters yet: use state_mode='fp32', or bfloat16 moments without split "
-                            f"masters (exp_avg_dtype=exp_avg_sq_dtype=torch.bfloat16)")
+                            f"param_groups[{gi}]['params'][{j}] is a DTensor whose local shard is not a run of whole "
+                            f"rows (placements {p.placements}); the state format {self.state_format.describe()} "
+                            f"keeps per-block state, which is sharded by rows: shard dim 0 (FSDP2's default "
+                            f"Shard(0)), or use state_mode='fp32' or bfloat16 moments without split masters")
         if order_params is not None:
             rank = {id(p): i for i, p in enumerate(order_params)}
             for g in groups:
@@ -284,12 +285,13 @@ class _AdamBase(torch.optim.Optimizer):
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
             master = None
-            if old_dtype != param.dtype and "master_lo" in state:
+            if old_dtype != param.dtype and encodings.has_master(state):
                 old = {k: v.to(param.device) for k, v in state.items() if k != "step"}
                 p = param.detach()
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
-                kept = _converted_exactly(old_dtype, p)
+                # an fp32 master (a parameter whose rows are not whole blocks) never depended on the old value
+                kept = _converted_exactly(old_dtype, p) if "master_lo" in state else torch.ones_like(p, dtype=torch.bool)
                 unwritten = kept & (p == master.to(old_dtype).to(p.dtype))
                 p.copy_(torch.where(unwritten, master.to(p.dtype), p))
                 master = torch.where(unwritten, master, p.to(torch.float32))
@@ -437,8 +439,8 @@ class _AdamBase(torch.optim.Optimizer):
         if rest:
             offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
             local_pairs, local_state = localize(rest, self.state)
-            if self.implementation in ("auto", "triton") and any(is_dtensor(p) for p, _ in rest):
-                # FSDP2's local shards: one Triton launch per step count where the kernel runs
+            if self.implementation in ("auto", "triton", "cpp") and any(is_dtensor(p) for p, _ in rest):
+                # FSDP2's local shards: the C++ kernel (CPU) or the Triton one (GPU) where it runs
                 left = shard_step(local_pairs, local_state, hp, self.implementation, grad_scale,
                                   self.state_format, offsets)
                 local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
@@ -527,9 +529,13 @@ class _AdamBase(torch.optim.Optimizer):
         A split master (:mod:`halfadam.encodings`) needs no sync (it is decoded against the parameter);
         with ``decode`` it is decoded into a new float32 tensor, else ``None`` is returned."""
         state = self._init_state(param, group)
-        if "master_lo" in state:  # never a DTensor
-            return encodings.decode_state(self._format(param, group), param, state, ("master_weight",)
-                                          )["master_weight"] if decode else None
+        if "master_lo" in state:  # decoded on the local shard of a DTensor (FSDP2), sharded like it
+            if not decode:
+                return None
+            lp = local(param)
+            master = encodings.decode_state(self._format(param, group), lp, {k: local(v) for k, v in state.items()},
+                                            ("master_weight",))["master_weight"]
+            return like_param(master, param)
         master = state.get("master_weight")
         if master is not None:
             sync_master_(local(master), local(param))

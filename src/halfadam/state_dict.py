@@ -462,11 +462,13 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         values = {}
         for name in list(expected) + list(blocks):
             t = saved[name]
-            shape = tuple(p.shape) if name in expected else (encodings.n_blocks(p.numel()),)
+            shape = tuple(p.shape) if name in expected else encodings.block_shape(tuple(p.shape))
+            if name in blocks and tuple(t.shape) == (encodings.n_blocks(p.numel()),):
+                t = t.reshape(shape)  # 1-D, as written before 2026-12-01: the same blocks
             if tuple(t.shape) != shape:
                 raise CheckpointError(
                     f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
-                    + (" (the parameter's)" if name in expected else f" (one per {encodings.BLOCK} elements)")
+                    + (" (the parameter's)" if name in expected else f" (one per {encodings.BLOCK} elements of each row)")
                 )
             if t.is_meta:
                 raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")

@@ -28,7 +28,11 @@ Choices worth knowing when reading the numbers:
   gradients. Every example's gradient so enters with the same weight as in one process (float16 loss
   scaling sees the same ranges), and the run matches ``--nproc 1`` up to floating-point rounding. The
   reported train loss is that of the whole batch. Only rank 0 prints and writes files.
-  ``torchrun ... -m halfadam train`` (without ``--nproc``) runs the same code path.
+  ``torchrun ... -m halfadam train`` (without ``--nproc``) runs the same code path. ``--dist fsdp``
+  shards instead of replicating (FSDP2, ``torch.distributed.fsdp.fully_shard``: one unit per
+  transformer block and the root; parameters, gradients and optimizer state in every state mode
+  sharded by rows over the processes; gradients summed as with DDP); the table's state bytes per
+  parameter are then the job's total, each process holding its shard.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import halfadam
+from halfadam.distributed import is_dtensor, local
 
 from . import data as data_mod
 from .errors import CLIError
@@ -190,6 +195,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint resumes under any --nproc. The same under torchrun (also with --device "
                              "cuda, one GPU per process): torchrun --standalone --nproc-per-node N -m halfadam "
                              "train ... (without --nproc)")
+    parser.add_argument("--dist", choices=("ddp", "fsdp"), default="ddp",
+                        help="with more than one process: ddp (default) replicates the model "
+                             "(DistributedDataParallel); fsdp shards parameters, gradients and optimizer state "
+                             "over the processes (FSDP2 fully_shard, every state mode; no --save/--resume or "
+                             "--peers)")
 
 
 @dataclass
@@ -219,6 +229,7 @@ class TrainConfig:
     resume: str | None = None
     nproc: int = 1
     peers: bool = False
+    dist: str = "ddp"
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -274,7 +285,14 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         save_every=args.save_every,
         resume=args.resume,
         peers=getattr(args, "peers", False),
+        dist=getattr(args, "dist", "ddp"),
     )
+    peers = cfg.peers or any(name in PEER_MODES for name in cfg.modes)
+    if cfg.dist == "fsdp" and (cfg.save or cfg.resume or peers):
+        what = "--save" if cfg.save else "--resume" if cfg.resume else "the peer modes"
+        raise CLIError(f"--dist fsdp runs without {what}: checkpoints of sharded runs go through "
+                       f"torch.distributed.checkpoint (halfadam.distributed, see the README), and the peers run "
+                       f"under --dist ddp")
     if args.save_every and not args.save:
         raise CLIError("--save-every needs --save DIR")
     nproc = getattr(args, "nproc", 1)
@@ -332,7 +350,7 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out).
 
-    A tensor subclass counts as the plain tensors it holds (:func:`halfadam.cli.peers.tensor_parts`;
+    A ``DTensor`` counts as this process's shard; a tensor subclass counts as the plain tensors it holds (:func:`halfadam.cli.peers.tensor_parts`;
     torchao's 8-bit state poses as bfloat16), and a tensor held by several entries (bitsandbytes shares
     its code tables between parameters) counts once.
     """
@@ -342,6 +360,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     def visit(value):
         nonlocal total
         if torch.is_tensor(value):
+            value = local(value)  # a DTensor (FSDP2): this rank's shard
             if value.dim() > 0:
                 for part in tensor_parts(value):
                     key = (part.data_ptr(), part.nbytes)
@@ -370,7 +389,7 @@ def _lr_schedule(cfg: TrainConfig):
 
 
 #: Options that may differ between a run and its --resume (all others must match).
-_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers")
+_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers", "dist")
 #: Options that may also differ when --resume extends a run to more --steps (their defaults follow --steps;
 #: _check_resumed_options requires the steps already taken to keep their learning rates).
 _EXTEND_FREE = ("steps", "warmup_steps", "eval_every")
@@ -502,10 +521,11 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
     """Train a copy of ``base_model`` in ``mode`` on the batches of ``plan``.
 
     With ``world > 1`` (an initialised process group; every rank calls this with the same arguments)
-    the model is wrapped in ``DistributedDataParallel``, rank ``rank`` trains on its slice
+    the model is wrapped in ``DistributedDataParallel`` (``cfg.dist == "ddp"``) or sharded in place
+    by :func:`_fully_shard` (``"fsdp"``), rank ``rank`` trains on its slice
     ``plan[step].chunk(world)[rank]`` of each batch, the recorded train loss is the mean over the
-    ranks, and only rank 0 saves checkpoints. The replicas stay identical, so every rank evaluates the
-    same validation loss and returns the same weights.
+    ranks, and only rank 0 saves checkpoints. The replicas stay identical (or the shards form one
+    model), so every rank evaluates the same validation loss and returns the same (gathered) weights.
 
     Returns the mode's metrics and ``(final weights, final master weights or None)``, both as float32
     CPU tensors in parameter order.
@@ -517,6 +537,9 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
 
     model = copy.deepcopy(base_model).to(device=device, dtype=mode.param_dtype)
     set_compute_dtype(model, torch.float32 if device.type == "cpu" else None)
+    sharded = world > 1 and cfg.dist == "fsdp"
+    if sharded:  # before the optimizer: its parameters are the DTensors
+        _fully_shard(model, device, world)
     optimizer = mode.make_optimizer(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = mode.make_scaler(device)
     schedule = _lr_schedule(cfg)
@@ -546,7 +569,7 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
     else:
         record_val(0)
     net = model
-    if world > 1:  # ``model`` keeps the same parameters (evaluation, checkpoints and weights use it)
+    if world > 1 and not sharded:  # ``model`` keeps the same parameters (evaluation, checkpoints and weights use it)
         net = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         net.register_comm_hook(None, _allreduce_sum_hook)  # with the loss divided by world: see below
     bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, desc=f"{mode.name:>13}",
@@ -565,7 +588,7 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         loss = _loss(net, x, y)
         if world > 1:
             # Each rank back-propagates its share of the whole batch's mean loss (its slice's mean / world)
-            # and DDP sums the gradients (_allreduce_sum_hook), so every example's gradient enters with the
+            # and DDP (_allreduce_sum_hook) or FSDP2 (_fully_shard) sums the gradients, so every example's gradient enters with the
             # weight 1/batch-size as in --nproc 1. DDP's own averaging (the slice's mean, then divide after
             # the sum) weighs it world times more on the rank: float16 gradients under a loss scale that
             # --nproc 1 keeps in range then overflow there, and the scaler skips steps --nproc 1 does not.
@@ -617,10 +640,17 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
 
     timed = step_times[1:] if len(step_times) > 1 else step_times  # the first step allocates state
     tail = train_losses[-TRAIN_LOSS_WINDOW:]
-    final_weights = [p.detach().float().cpu() for p in model.parameters()]
+    if sharded:
+        model.reshard()  # the root keeps its parameters gathered after a forward (the last evaluation)
+    final_weights = [_gathered(p) for p in model.parameters()]
     masters = None
     if mode.optimizer == "halfadam" and diverged_at is None:
-        masters = [optimizer.master_weight(p).detach().float().cpu() for p in model.parameters()]
+        masters = [_gathered(optimizer.master_weight(p)) for p in model.parameters()]
+    state_bytes = optimizer_state_bytes(optimizer)
+    if sharded:  # the job's total: each rank holds its shards
+        total = torch.tensor(float(state_bytes), dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        state_bytes = int(total.item())
     metrics = {
         "description": mode.description,
         "param_dtype": str(mode.param_dtype).removeprefix("torch."),
@@ -630,7 +660,7 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         "final_val_loss": val_losses[-1],
         "diverged_at_step": diverged_at,
         "divergence_note": note,
-        "optimizer_state_bytes_per_param": optimizer_state_bytes(optimizer) / n_params,
+        "optimizer_state_bytes_per_param": state_bytes / n_params,
         "mean_step_ms": 1000 * sum(timed) / len(timed) if timed else None,
         "steps_run": len(train_losses),
         "train_loss": train_losses,
@@ -641,6 +671,28 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         metrics["skipped_steps"] = int(skipped)
         metrics["final_loss_scale"] = float(scaler.get_scale())
     return metrics, (final_weights, masters)
+
+
+def _fully_shard(model: torch.nn.Module, device: torch.device, world: int) -> None:
+    """Shard ``model`` in place with FSDP2 over ``world`` processes: one ``fully_shard`` unit per
+    transformer block and one for the rest. Gradients are summed over the ranks (divide factor 1), as
+    the DDP path's hook does: each rank's loss is already its share of the batch mean."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for block in getattr(model, "blocks", ()):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a float32 CPU tensor, gathered from its shards when it is a DTensor (every rank calls this)."""
+    return (t.full_tensor() if is_dtensor(t) else t).detach().float().cpu()
 
 
 def build_task(cfg: TrainConfig) -> tuple[object, torch.nn.Module, str, str]:
@@ -811,7 +863,8 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
         sched = "constant" if cfg.lr_schedule == "constant" else f"cosine, {cfg.warmup_steps} warm-up steps"
         if world > 1:
             backend = torch.distributed.get_backend()
-            print(f"  data-parallel: {world} processes (DDP, {backend}), {cfg.batch_size // world} per process "
+            how = "DDP" if cfg.dist == "ddp" else "FSDP2: parameters, gradients and optimizer state sharded"
+            print(f"  data-parallel: {world} processes ({how}, {backend}), {cfg.batch_size // world} per process "
                   f"per step")
         print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
               f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)

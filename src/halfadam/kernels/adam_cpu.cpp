@@ -536,6 +536,7 @@ struct Item {
   const void* grad;
   int64_t numel;
   int64_t offset;  // into the flat state buffers (a multiple of BLOCK with a split master or a uint8 moment)
+  int64_t position;  // its first element's index in its whole parameter (a shard's; the random bits' positions)
 };
 
 struct Step {
@@ -621,7 +622,7 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
         w = select8(stale8<P>(p, w), w, p);  // master sync
       }
       adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c8);
-      const __m256i positions = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i)),
+      const __m256i positions = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(it.position + i)),
                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       store_moment8(m + (i - start), mi, seed_m, positions);
       store_moment8(v + (i - start), vi, seed_v, positions);
@@ -669,8 +670,8 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
         w = select1(written1(p, round1<P>(w)), w, p);  // master sync
       }
       adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c1);
-      store_moment1(m + (i - start), mi, s.seed_exp_avg, static_cast<uint32_t>(i));
-      store_moment1(v + (i - start), vi, s.seed_exp_avg_sq, static_cast<uint32_t>(i));
+      store_moment1(m + (i - start), mi, s.seed_exp_avg, static_cast<uint32_t>(it.position + i));
+      store_moment1(v + (i - start), vi, s.seed_exp_avg_sq, static_cast<uint32_t>(it.position + i));
       if constexpr (MS == Master::kFp32) master[i] = w;
       store1(param + i, w);
       if constexpr (MS == Master::kSplit) {  // the tie rule, as above
@@ -696,7 +697,7 @@ void run(const Step& s, const Item& it, int64_t a, int64_t b) {
       if (v8) {
         std::fill(v_block + (end - start), v_block + BLOCK, 0.0f);
         encode_block<false>(v_block, v_codes + start, end - start, s.exp_avg_sq_absmax + block,
-                            static_cast<uint32_t>(start), s.seed_exp_avg_sq, *s.tables);
+                            static_cast<uint32_t>(it.position + start), s.seed_exp_avg_sq, *s.tables);
       }
     }
   }
@@ -776,10 +777,12 @@ static void fill_tables(const std::vector<at::Tensor>& tables, Tables* t) {
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::map<std::string, at::Tensor>& state, const std::vector<int64_t>& offsets,
                const std::vector<double>& coefficients, const c10::optional<at::Tensor>& grad_scale, bool l2,
-               bool optimized_update, int64_t step, const std::vector<at::Tensor>& tables) {
+               bool optimized_update, int64_t step, const std::vector<at::Tensor>& tables,
+               const std::vector<int64_t>& positions) {
   const int64_t K = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K,
-              "adam_step: params, grads and offsets differ in length");
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K &&
+                  (positions.empty() || static_cast<int64_t>(positions.size()) == K),
+              "adam_step: params, grads, offsets and positions differ in length");
   TORCH_CHECK(coefficients.size() == 8, "adam_step: expected 8 coefficients");
   auto get = [&](const char* key, at::ScalarType dtype) -> at::Tensor {  // undefined if absent
     auto found = state.find(key);
@@ -872,7 +875,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       write_back.emplace_back(p, c);
       p = c;
     }
-    items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k]};
+    items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k], positions.empty() ? 0 : positions[k]};
     fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms, l2, optimized_update);
     starts[k + 1] = starts[k] + (n + BLOCK - 1) / BLOCK;
   }

@@ -1,8 +1,10 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
 ``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
-optimized_update, step, tables)``: one Adam/AdamW step over a list of float16/bfloat16/float32 parameters
-whose state lives in a bucket's flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`), in
+optimized_update, step, tables, positions)``: one Adam/AdamW step over a list of float16/bfloat16/float32
+parameters whose state lives in flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`, or one
+shard's own state tensors flattened; ``positions``: each parameter's first element's index in its
+whole parameter, the random bits' positions, or empty for 0), in
 one call (no gathering of gradients or parameters, no per-tensor Python), in every state format (the
 encodings of :mod:`halfadam.encodings`, bit for bit, 8-bit moments included, with ``tables`` =
 :func:`halfadam.encodings.tables`); ``first_invalid(params, grads)``,
