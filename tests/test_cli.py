@@ -398,6 +398,24 @@ def test_nproc_2_fsdp_matches_one_process(tmp_path, capfd):
     assert two["modes"]["fp16-halfadam"]["skipped_steps"] == one["modes"]["fp16-halfadam"]["skipped_steps"]
 
 
+@needs_gloo
+@pytest.mark.distributed
+def test_torchrun_runs_the_same_job(tmp_path):
+    """Under torchrun (no --nproc) each process trains as one rank of the job: it must not spawn its own."""
+    import halfadam
+
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "halfadam",
+           *NPROC_ARGS, "--modes", "fp32,bf16-halfadam-compact", "--dist", "fsdp", "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(halfadam.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("halfadam train: digits") == 1
+    assert "data-parallel: 2 processes (FSDP2" in proc.stdout
+    assert _metrics(tmp_path)["config"]["nproc"] == 2
+
+
 def _crash_on_rank_1(rank, world, args, error_dir):
     """Stands in for train._run_rank in the spawned processes: rank 1 fails while loading its data."""
     build = T.build_task

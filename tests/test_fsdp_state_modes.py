@@ -6,9 +6,9 @@ encoded state tensor (codes, absmaxes, split remainders and tie bytes), gathered
 unsharded one. The model's shapes cover rows of 1, 2 and 3 blocks, row counts that do not divide by
 the world size (4 ranks over 3 rows: an empty shard) and parameters whose rows are not whole blocks
 (1-D biases, rows of 9), which keep float32 fields (``halfadam.encodings.for_param``). DCP checkpoints
-written on 1 and 2 ranks load on 2 ranks and in one process, bitwise; a compact one loads into a
-one-process optimizer of every other mode as a single-process checkpoint does; the GradScaler's agreed
-skip changes no byte of any shard.
+written on 1 and 2 ranks load on 2 ranks and in one process, bitwise; checkpoints load into optimizers
+of another mode (one process, and FSDP2 on 1, 2, 4 ranks) as a single-process state dict does; the
+GradScaler's agreed skip changes no byte of any shard.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn as nn
 
 import halfadam
 import halfadam.distributed as hd
+from halfadam.kernels import cpp as cpu_kernel
 
 dist = torch.distributed
 pytestmark = [
@@ -39,6 +40,8 @@ MODES = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CASES = [(mode, dtype) for mode in MODES for dtype in DTYPES]
+#: checkpoints loaded into optimizers of another mode (bf16 parameters)
+CROSS = [("compact", mode) for mode in MODES if mode != "compact"] + [("fp32", "compact"), ("split", "bf16")]
 
 
 def make_model(dtype):
@@ -143,12 +146,25 @@ def case_dir(out, world, mode, dtype):
 # ------------------------------------------------------------------------------ the ranks' work
 def _worker(rank, world, out):
     """Each case on ``world`` ranks (an exception on any rank fails the launch with its traceback)."""
+    import halfadam.optimizer as optimizer_module
+
     results = {}
+    reference_step = optimizer_module.reference_step
     for mode, dtype in CASES:
         model = fsdp(make_model(DTYPES[dtype]))
         opt = make_opt(model, mode)
-        train(model, opt)
-        r = {"state": snapshot(model, opt)}
+        calls = []  # the shards the reference execution got (the C++ kernel, shard_step, takes them all)
+
+        def counted(pairs, *args, **kwargs):
+            calls.append(len(pairs))
+            return reference_step(pairs, *args, **kwargs)
+
+        optimizer_module.reference_step = counted
+        try:
+            train(model, opt)
+        finally:
+            optimizer_module.reference_step = reference_step
+        r = {"state": snapshot(model, opt), "reference_calls": calls}
         dcp_save(model, opt, case_dir(out, world, mode, dtype))
         if world == 2:
             # 2 -> 2 and 1 -> 2: fresh FSDP2 optimizers load this run's and the one-process checkpoints
@@ -159,6 +175,11 @@ def _worker(rank, world, out):
                 r[f"loaded_from_{source}"] = snapshot(m2, o2)
             r["skip_unchanged"] = _agreed_skip(rank, model, opt)
         results[(mode, dtype)] = r
+    for source, target in CROSS:  # this run's checkpoint of `source` into FSDP2 optimizers of `target`
+        model = fsdp(make_model(torch.bfloat16))
+        opt = make_opt(model, target)
+        dcp_load(model, opt, case_dir(out, world, source, "bf16"), template=make_opt(model, source))
+        results[("cross", source, target)] = snapshot(model, opt)
     if world == 2:
         results["refused"] = _refused()
     if rank == 0:
@@ -239,6 +260,8 @@ def test_sharded_state_is_bitwise_the_unsharded_one(runs, case):
         assert expected["2.weight.exp_avg"].dtype == torch.float32  # rows of 9: float32 fields
     for world in (1, 2, 4):
         assert same(_result(runs, world, case)["state"], expected), f"{world} ranks"
+        if cpu_kernel.load() is not None:  # every shard went through the C++ kernel, none the reference
+            assert _result(runs, world, case)["reference_calls"] == [], f"{world} ranks"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -258,19 +281,22 @@ def test_dcp_reshards_bitwise(runs, case):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "compact"])
-def test_fsdp_compact_checkpoint_loads_into_any_mode(runs, mode):
-    """A 2-rank compact checkpoint in a one-process optimizer of another mode: decoded and encoded
-    exactly as the one-process compact optimizer's own state dict is."""
+@pytest.mark.parametrize("source, target", CROSS, ids=[f"{s}-to-{t}" for s, t in CROSS])
+def test_checkpoint_loads_into_another_mode_on_any_ranks(runs, source, target):
+    """A checkpoint in an optimizer of another mode, through a template of the checkpoint's mode (the
+    README's recipe): decoded and encoded exactly as the one-process optimizer's own state dict is,
+    whether it loads into one process (from 2 ranks) or into FSDP2 on 1, 2 or 4 ranks (from as many)."""
     out = runs[0]
-    source, source_opt = single_run("compact", "bf16")
-    reference = make_opt(source, mode)
+    source_model, source_opt = single_run(source, "bf16")
+    reference = make_opt(source_model, target)
     reference.load_state_dict(source_opt.state_dict())
+    expected = snapshot(source_model, reference)
     model = make_model(torch.bfloat16)
-    model.load_state_dict(source.state_dict())
-    opt = make_opt(model, mode)
-    dcp_load(model, opt, case_dir(out, 2, "compact", "bf16"), template=make_opt(model, "compact"))
-    assert same(snapshot(model, opt), snapshot(source, reference))
+    opt = make_opt(model, target)
+    dcp_load(model, opt, case_dir(out, 2, source, "bf16"), template=make_opt(model, source))
+    assert same(snapshot(model, opt), expected), "2 ranks -> 1 process"
+    for world in (1, 2, 4):
+        assert same(runs[2][world][("cross", source, target)], expected), f"{world} ranks"
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -682,13 +682,16 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
 
 
 def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], values: Dict[str, Tensor],
-                  step: float) -> None:
+                  step: float, offset: int = 0) -> None:
     """Encode float32 ``values`` (``master_weight`` when ``state`` has a master, ``exp_avg``,
     ``exp_avg_sq``; the parameter's shape) into ``state``'s tensors, in place. A split master keeps
     the master where the parameter equals its rounding and takes the parameter's value elsewhere
-    (the master-sync rule), so the parameter is never changed."""
+    (the master-sync rule), so the parameter is never changed. ``offset``: the position of the first
+    element in the whole parameter (a shard's, as in :func:`update_param_`)."""
     stored, flat_param = _flat_copies(fmt, param, state)
     length = flat_param.numel()
+    if fmt.stochastic:
+        stored[POSITION] = torch.arange(offset, offset + length, dtype=torch.int64, device=param.device)
     seed, tables_ = random_seed(fmt, step, param.device), tables(fmt, param.device)
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         x = _pad(values[name], length, param, torch.float32)

@@ -398,11 +398,12 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         fits = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
             and p.is_contiguous() and all(st[key].is_contiguous() for key in keys)
         step = int(st["step"].item())
-        if fits and p.device.type == "cpu" and _cpp_kernel(p.device, pfmt, implementation) is not None:
+        kernel = _cpp_kernel(p.device, pfmt, implementation) if fits else None
+        if kernel is not None:
             coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
                                               weight_decay=hp.weight_decay, decay=hp.decay,
                                               optimized_update=hp.optimized_update)
-            cpu_kernel.loaded().adam_step(
+            kernel.adam_step(
                 [p], [g], {key: st[key].view(-1) for key in keys}, [0], coefficients,
                 None if grad_scale is None else grad_scale.to(device="cpu", dtype=torch.float32).reshape(()),
                 hp.decay == "l2", hp.optimized_update, step + 1, encodings.tables(pfmt, p.device) or (),

@@ -290,8 +290,9 @@ class _AdamBase(torch.optim.Optimizer):
                 p = param.detach()
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
-                # an fp32 master (a parameter whose rows are not whole blocks) never depended on the old value
-                kept = _converted_exactly(old_dtype, p) if "master_lo" in state else torch.ones_like(p, dtype=torch.bool)
+                # an fp32 master (rows that are not whole blocks) never depended on the old value
+                kept = (_converted_exactly(old_dtype, p) if "master_lo" in state
+                        else torch.ones_like(p, dtype=torch.bool))
                 unwritten = kept & (p == master.to(old_dtype).to(p.dtype))
                 p.copy_(torch.where(unwritten, master.to(p.dtype), p))
                 master = torch.where(unwritten, master, p.to(torch.float32))

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from . import encodings, hyperparams
+from ._dtensor import flat_offset, local
 from .functional import DECAY_MODES
 
 __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
@@ -468,7 +469,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
             if tuple(t.shape) != shape:
                 raise CheckpointError(
                     f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
-                    + (" (the parameter's)" if name in expected else f" (one per {encodings.BLOCK} elements of each row)")
+                    + (" (the parameter's)" if name in expected
+                       else f" (one per {encodings.BLOCK} elements of each row)")
                 )
             if t.is_meta:
                 raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
@@ -544,9 +546,12 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
             if load.rebuild_master:
                 state["master_weight"].copy_(p.detach())
         else:  # another encoding, or no master in the checkpoint: decode, then encode in this one
-            values = encodings.decode_state(load.format, p, {k: v.to(p.device) for k, v in load.values.items()})
-            values.setdefault("master_weight", p.detach().to(torch.float32))
-            encodings.encode_state_(target, p, state, values, load.step)
+            # (a DTensor's local shard: DCP loads the checkpoint's state sharded like the parameter)
+            lp = local(p)
+            values = encodings.decode_state(load.format, lp, {k: local(v).to(lp.device) for k, v in load.values.items()})
+            values.setdefault("master_weight", lp.detach().to(torch.float32))
+            encodings.encode_state_(target, lp, {k: local(v) for k, v in state.items()}, values, load.step,
+                                    offset=flat_offset(p))
         if isinstance(state.get("step"), Tensor):
             state["step"].fill_(load.step)
         else:

@@ -196,10 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cuda, one GPU per process): torchrun --standalone --nproc-per-node N -m halfadam "
                              "train ... (without --nproc)")
     parser.add_argument("--dist", choices=("ddp", "fsdp"), default="ddp",
-                        help="with more than one process: ddp (default) replicates the model "
-                             "(DistributedDataParallel); fsdp shards parameters, gradients and optimizer state "
-                             "over the processes (FSDP2 fully_shard, every state mode; no --save/--resume or "
-                             "--peers)")
+                        help="with more than one process (--nproc N or torchrun; with one it changes nothing): "
+                             "ddp (default) replicates the model (DistributedDataParallel); fsdp shards parameters, "
+                             "gradients and optimizer state over the processes (FSDP2 fully_shard, every state "
+                             "mode; no --save/--resume or --peers)")
 
 
 @dataclass
@@ -287,12 +287,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         peers=getattr(args, "peers", False),
         dist=getattr(args, "dist", "ddp"),
     )
-    peers = cfg.peers or any(name in PEER_MODES for name in cfg.modes)
-    if cfg.dist == "fsdp" and (cfg.save or cfg.resume or peers):
-        what = "--save" if cfg.save else "--resume" if cfg.resume else "the peer modes"
-        raise CLIError(f"--dist fsdp runs without {what}: checkpoints of sharded runs go through "
-                       f"torch.distributed.checkpoint (halfadam.distributed, see the README), and the peers run "
-                       f"under --dist ddp")
+    if cfg.dist == "fsdp" and (cfg.save or cfg.resume):
+        raise CLIError(f"--dist fsdp runs without {'--save' if cfg.save else '--resume'}: checkpoints of sharded "
+                       f"runs go through torch.distributed.checkpoint (halfadam.distributed, see the README)")
+    if cfg.dist == "fsdp" and (cfg.peers or any(name in PEER_MODES for name in cfg.modes)):
+        raise CLIError("--dist fsdp runs without the peer modes: they run under --dist ddp")
     if args.save_every and not args.save:
         raise CLIError("--save-every needs --save DIR")
     nproc = getattr(args, "nproc", 1)
@@ -350,9 +349,9 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out).
 
-    A ``DTensor`` counts as this process's shard; a tensor subclass counts as the plain tensors it holds (:func:`halfadam.cli.peers.tensor_parts`;
-    torchao's 8-bit state poses as bfloat16), and a tensor held by several entries (bitsandbytes shares
-    its code tables between parameters) counts once.
+    A ``DTensor`` counts as this process's shard; a tensor subclass counts as the plain tensors it
+    holds (:func:`halfadam.cli.peers.tensor_parts`; torchao's 8-bit state poses as bfloat16), and a
+    tensor held by several entries (bitsandbytes shares its code tables between parameters) counts once.
     """
     total = 0
     seen = set()
@@ -588,8 +587,8 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         loss = _loss(net, x, y)
         if world > 1:
             # Each rank back-propagates its share of the whole batch's mean loss (its slice's mean / world)
-            # and DDP (_allreduce_sum_hook) or FSDP2 (_fully_shard) sums the gradients, so every example's gradient enters with the
-            # weight 1/batch-size as in --nproc 1. DDP's own averaging (the slice's mean, then divide after
+            # and DDP (_allreduce_sum_hook) or FSDP2 (_fully_shard) sums the gradients, so every example's
+            # gradient enters with the weight 1/batch-size as in --nproc 1. DDP's own averaging (the slice's mean, then divide after
             # the sum) weighs it world times more on the rank: float16 gradients under a loss scale that
             # --nproc 1 keeps in range then overflow there, and the scaler skips steps --nproc 1 does not.
             loss = loss / world
@@ -800,7 +799,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out)
     dist = torch.distributed
     grouped = dist.is_available() and dist.is_initialized()
-    if cfg.nproc > 1 and not grouped:  # the launching process (resolve_config refused --nproc under torchrun)
+    # the launching process of --nproc N (resolve_config refused --nproc under torchrun, whose processes
+    # have cfg.nproc = their WORLD_SIZE and set up their group below)
+    if getattr(args, "nproc", 1) > 1 and not grouped:
         _make_dirs(cfg, out)
         return _launch(args, cfg.nproc)
     rank, world = hd.init_from_env("nccl" if device.type == "cuda" else "gloo")
