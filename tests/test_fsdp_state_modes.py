@@ -126,13 +126,13 @@ def dcp_save(model, opt, path):
              checkpoint_id=str(path))
 
 
-def dcp_load(model, opt, path, template=None):
-    """Load ``path`` into ``model`` and ``opt``; ``template``: an optimizer of the checkpoint's state
-    mode on ``model`` (the layout DCP reads), when ``opt`` has another one."""
+def dcp_load(model, opt, path):
+    """Load ``path`` into ``model`` and ``opt``, in the layout of the checkpoint's state mode (``opt``'s own
+    or another: ``checkpoint_id``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    sd = {"model": get_model_state_dict(model), "optim": hd.get_optimizer_state_dict(model, template or opt)}
+    sd = {"model": get_model_state_dict(model), "optim": hd.get_optimizer_state_dict(model, opt, checkpoint_id=path)}
     dcp.load(sd, checkpoint_id=str(path))
     set_model_state_dict(model, sd["model"])
     hd.set_optimizer_state_dict(model, opt, sd["optim"])
@@ -178,7 +178,7 @@ def _worker(rank, world, out):
     for source, target in CROSS:  # this run's checkpoint of `source` into FSDP2 optimizers of `target`
         model = fsdp(make_model(torch.bfloat16))
         opt = make_opt(model, target)
-        dcp_load(model, opt, case_dir(out, world, source, "bf16"), template=make_opt(model, source))
+        dcp_load(model, opt, case_dir(out, world, source, "bf16"))
         results[("cross", source, target)] = snapshot(model, opt)
     if world == 2:
         results["refused"] = _refused()
@@ -283,8 +283,9 @@ def test_dcp_reshards_bitwise(runs, case):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("source, target", CROSS, ids=[f"{s}-to-{t}" for s, t in CROSS])
 def test_checkpoint_loads_into_another_mode_on_any_ranks(runs, source, target):
-    """A checkpoint in an optimizer of another mode, through a template of the checkpoint's mode (the
-    README's recipe): decoded and encoded exactly as the one-process optimizer's own state dict is,
+    """A checkpoint in an optimizer of another mode, read in the checkpoint's layout
+    (``get_optimizer_state_dict(..., checkpoint_id=...)``): decoded and encoded exactly as the
+    one-process optimizer's own state dict is,
     whether it loads into one process (from 2 ranks) or into FSDP2 on 1, 2 or 4 ranks (from as many)."""
     out = runs[0]
     source_model, source_opt = single_run(source, "bf16")
@@ -293,10 +294,17 @@ def test_checkpoint_loads_into_another_mode_on_any_ranks(runs, source, target):
     expected = snapshot(source_model, reference)
     model = make_model(torch.bfloat16)
     opt = make_opt(model, target)
-    dcp_load(model, opt, case_dir(out, 2, source, "bf16"), template=make_opt(model, source))
+    dcp_load(model, opt, case_dir(out, 2, source, "bf16"))
     assert same(snapshot(model, opt), expected), "2 ranks -> 1 process"
     for world in (1, 2, 4):
         assert same(runs[2][world][("cross", source, target)], expected), f"{world} ranks"
+
+
+def test_checkpoint_layout_needs_a_halfadam_optimizer(runs):
+    model = make_model(torch.float32)
+    with pytest.raises(TypeError, match="checkpoint_id needs a halfadam optimizer"):
+        hd.get_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()),
+                                    checkpoint_id=case_dir(runs[0], 2, "fp32", "fp32"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -219,17 +219,64 @@ def init_state(optimizer: Any) -> None:
             opt._init_state(p, group)
 
 
-def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None) -> Dict[str, Any]:
+def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None,
+                             checkpoint_id: Any = None, key: str = "optim") -> Dict[str, Any]:
     """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for a halfadam optimizer.
 
-    State is keyed by fully-qualified parameter name; under FSDP2 the tensors (``master_weight``
-    included) are ``DTensor``\\ s, so ``torch.distributed.checkpoint.save`` writes them sharded and
-    ``load`` reshards them. Creates missing state with :func:`init_state` first (no fake step).
+    State is keyed by fully-qualified parameter name; under FSDP2 every state tensor (``master_weight``,
+    encoded moments, per-block keys) is a ``DTensor`` sharded like its parameter, so
+    ``torch.distributed.checkpoint.save`` writes them sharded and ``load`` reshards them. Creates
+    missing state with :func:`init_state` first (no fake step).
+
+    ``checkpoint_id`` (a DCP checkpoint directory to be loaded, whose optimizer state dict was saved
+    under ``key``): the returned state dict has the state layout of that checkpoint's state mode, read
+    from its metadata, so that ``dcp.load`` can fill it whatever this optimizer's mode; the
+    :func:`set_optimizer_state_dict` that follows decodes it and encodes it in this optimizer's mode,
+    as a single-process ``load_state_dict`` does. (It is laid out by a temporary optimizer of the same
+    class and parameter groups in the checkpoint's mode.) Without it, the layout is ``optimizer``'s own.
+
+    Raises:
+        TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
+    if checkpoint_id is not None:
+        optimizer = _layout_of(optimizer, checkpoint_id, key)
     init_state(optimizer)
     return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _layout_of(optimizer: Any, checkpoint_id: Any, key: str) -> Any:
+    """``optimizer``, or a temporary one of its class and groups whose state format is that of the
+    optimizer state saved under ``key`` in the DCP checkpoint ``checkpoint_id`` (read off its keys and
+    dtypes: the most encoded field of any parameter; each parameter's own follows from its shape)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from .encodings import StateFormat
+
+    opt = halfadam_optimizer(optimizer)
+    if opt is None or opt is not optimizer:
+        raise TypeError(f"checkpoint_id needs a halfadam optimizer, got {type(optimizer).__name__}")
+    prefix = f"{key}.state."
+    saved = {name: meta for name, meta in FileSystemReader(str(checkpoint_id)).read_metadata()
+             .state_dict_metadata.items() if name.startswith(prefix)}
+    if not saved:
+        return opt
+    fields = {name.rsplit(".", 1)[-1] for name in saved}
+
+    def moment(name: str) -> torch.dtype:
+        if f"{name}_absmax" in fields:
+            return torch.uint8
+        dtypes = {getattr(getattr(meta, "properties", None), "dtype", None) for key_, meta in saved.items()
+                  if key_.endswith(f".{name}")}
+        return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
+
+    fmt = StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"))
+    if fmt == opt.state_format:
+        return opt
+    groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
+    return type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
+                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,
@@ -242,9 +289,12 @@ def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state
 
     Typical resume (any number of ranks, any sharding)::
 
-        osd = halfadam.distributed.get_optimizer_state_dict(model, opt)
+        osd = halfadam.distributed.get_optimizer_state_dict(model, opt, checkpoint_id=path)
         torch.distributed.checkpoint.load({"model": msd, "optim": osd}, checkpoint_id=path)
         halfadam.distributed.set_optimizer_state_dict(model, opt, osd)
+
+    (``checkpoint_id`` there: the checkpoint's state layout, so that ``opt`` may have another state
+    mode.)
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
