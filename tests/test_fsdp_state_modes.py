@@ -182,8 +182,21 @@ def _worker(rank, world, out):
         results[("cross", source, target)] = snapshot(model, opt)
     if world == 2:
         results["refused"] = _refused()
+        results["exports"] = _exports()
     if rank == 0:
         torch.save(results, Path(out) / f"w{world}.pt")
+
+
+def _exports():
+    """The fp32 exports of a compact FSDP2 optimizer, gathered: master_state_dict and to_torch_state_dict."""
+    from halfadam.checkpoint import master_state_dict, to_torch_state_dict
+
+    model = fsdp(make_model(torch.bfloat16))
+    opt = make_opt(model, "compact")
+    train(model, opt)
+    masters = {k: full(v) for k, v in master_state_dict(opt, model).items()}
+    torch_sd = to_torch_state_dict(opt)
+    return masters, {i: {k: full(v) for k, v in st.items()} for i, st in torch_sd["state"].items()}
 
 
 def _refused():
@@ -312,6 +325,21 @@ def test_agreed_skip_changes_no_byte_of_any_shard(runs, case):
     flags = _result(runs, 2, case)["skip_unchanged"]
     assert [f[0] for f in flags] == [True, True]
     assert flags[0][1] == flags[1][1] == 2.0 ** 7  # the same halved scale on both ranks
+
+
+def test_fp32_exports_of_sharded_compact_state(runs):
+    """master_state_dict and to_torch_state_dict of a compact FSDP2 optimizer: the one-process ones."""
+    from halfadam.checkpoint import master_state_dict, to_torch_state_dict
+
+    masters, torch_state = runs[2][2]["exports"]
+    model, opt = single_run("compact", "bf16")
+    expected = master_state_dict(opt, model)
+    assert masters.keys() == expected.keys()
+    assert all(masters[k].dtype == torch.float32 and torch.equal(masters[k], expected[k]) for k in expected)
+    expected_torch = to_torch_state_dict(opt)["state"]
+    assert torch_state.keys() == expected_torch.keys()
+    for i, st in expected_torch.items():
+        assert all(torch.equal(torch_state[i][k], v) for k, v in st.items()), i
 
 
 def test_per_block_state_needs_shards_of_whole_rows(runs):

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from . import encodings, hyperparams
-from ._dtensor import flat_offset, local
+from ._dtensor import flat_offset, like_param, local
 from .functional import DECAY_MODES
 
 __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
@@ -642,8 +642,9 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         step = st["step"]
         moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
         if st["exp_avg"].dtype not in (torch.float32, torch.float64) or st["exp_avg_sq"].dtype != st["exp_avg"].dtype:
-            decoded = encodings.decode_state(encodings.format_of(st), params[pid], st)  # encoded moments
-            moments = {k: decoded[k] for k in moments}
+            p = params[pid]  # encoded moments, decoded (a DTensor's on its local shard, sharded like it)
+            decoded = encodings.decode_state(encodings.format_of(st), local(p), {k: local(v) for k, v in st.items()})
+            moments = {k: like_param(decoded[k], p) for k in moments}
         state[pid] = {
             "step": step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
             else torch.tensor(float(step), dtype=torch.float32),
