@@ -6,9 +6,8 @@ lower layer imports ``distributed`` (which sits above the optimizer).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
-
 import math
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -97,4 +96,3 @@ def localize(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         local_pairs.append((lp, local(g)))
         local_state[lp] = {k: local(v) for k, v in state[p].items()}
     return local_pairs, local_state
-
