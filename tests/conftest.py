@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the triton package is not installed")
 
+#: Tests that spawn gloo processes on 127.0.0.1 (halfadam.distributed.launch, torchrun).
+needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
 #: The real mindformers AdamW trajectories, kept in the repository.
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 

@@ -16,6 +16,7 @@ from halfadam.cli import build_parser, main
 from halfadam.cli.modes import MODES, parse_modes
 import halfadam.cli.train as T
 from halfadam.cli.train import optimizer_state_bytes
+from conftest import needs_gloo
 
 ALL_MODES = list(MODES)
 TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--d-model", "16", "--layers", "1",
@@ -332,8 +333,6 @@ def test_unwritable_save_dir_fails_before_training(tmp_path, capsys, monkeypatch
 
 
 # --nproc: data-parallel processes (DDP over gloo) ------------------------------------------------
-needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                                reason="torch.distributed with gloo is not available")
 NPROC_ARGS = ["train", "--task", "digits", "--steps", "6", "--batch-size", "16", "--eval-every", "3", "--no-progress"]
 
 

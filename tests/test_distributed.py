@@ -22,15 +22,11 @@ import torch
 import torch.nn as nn
 
 import halfadam
-from conftest import HAS_TRITON
+from conftest import HAS_TRITON, needs_gloo
 import halfadam.distributed as hd
 
 dist = torch.distributed
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="torch.distributed with gloo is not available"),
-    pytest.mark.distributed,
-]
+pytestmark = [needs_gloo, pytest.mark.distributed]
 
 WORLD = 2
 STEPS = 20

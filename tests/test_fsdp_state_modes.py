@@ -21,14 +21,11 @@ import torch.nn as nn
 
 import halfadam
 import halfadam.distributed as hd
+from conftest import needs_gloo
 from halfadam.kernels import cpp as cpu_kernel
 
 dist = torch.distributed
-pytestmark = [
-    pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                       reason="torch.distributed with gloo is not available"),
-    pytest.mark.distributed,
-]
+pytestmark = [needs_gloo, pytest.mark.distributed]
 
 STEPS = 4
 MODES = {

@@ -66,6 +66,13 @@ class Hyperparameters:
     decay: str
     optimized_update: bool
 
+    def coefficients(self, step) -> tuple:
+        """:func:`halfadam.functional.adam_coefficients` of these values at ``step`` (a number, or a
+        tensor of steps for per-parameter coefficients on the device)."""
+        return adam_coefficients(step=step, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                 weight_decay=self.weight_decay, decay=self.decay,
+                                 optimized_update=self.optimized_update)
+
 
 def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
                    grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat(),
@@ -89,10 +96,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         step = st["step"].item() + 1  # the step being taken; counted once its update has succeeded
         pfmt = for_param(fmt, param, encodings.has_master(st))
         if not pfmt.is_fp32:
-            coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                              weight_decay=hp.weight_decay, decay=hp.decay,
-                                              optimized_update=hp.optimized_update)
-            update_param_(pfmt, param, st, grad, coefficients, int(step), decay=hp.decay,
+            update_param_(pfmt, param, st, grad, hp.coefficients(step), int(step), decay=hp.decay,
                           optimized_update=hp.optimized_update, offset=offsets[k] if offsets else 0)
             st["step"] += 1
             continue
@@ -249,10 +253,7 @@ def capturable_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperpa
     index = _cached(bucket, "index", tuple(i for i, _ in items),
                     lambda key: torch.tensor(key, dtype=torch.int64, device=bucket.device))
     steps = bucket.steps[index] + 1  # the steps being taken
-    coefficients = adam_coefficients(step=steps, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                      weight_decay=hp.weight_decay, decay=hp.decay,
-                                      optimized_update=hp.optimized_update)
-    _triton_step(bucket, items, hp, grad_scale, _triton().device_scalars(coefficients, steps), found_inf)
+    _triton_step(bucket, items, hp, grad_scale, _triton().device_scalars(hp.coefficients(steps), steps), found_inf)
     taken = torch.ones_like(steps) if found_inf is None else (1 - found_inf.to(steps.dtype)).expand_as(steps)
     bucket.steps.index_add_(0, index, taken)
 
@@ -274,11 +275,8 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
     step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
     if _uses_triton(bucket, implementation):
-        coefficients = adam_coefficients(step=int(step), lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                          weight_decay=hp.weight_decay, decay=hp.decay,
-                                          optimized_update=hp.optimized_update)
         if _guarded_triton_step(implementation, bucket, items, hp, grad_scale,
-                                _triton().scalars(coefficients, int(step), device)):
+                                _triton().scalars(hp.coefficients(int(step)), int(step), device)):
             bucket.advance_steps(subset)
             return
     kernel = _cpp_kernel(bucket.device, bucket.format, implementation)
@@ -389,7 +387,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
     element in its whole parameter (the random bits' positions). Takes the contiguous parameters (with
     contiguous state) the kernel runs for ``implementation`` ("auto", "triton" or "cpp"); returns the
     indices of ``pairs`` it did not take (for :func:`reference_step`)."""
-    left, launches = [], {}
+    left, launches, coefficients = [], {}, {}
     for k, (p, g) in enumerate(pairs):
         st = state[p]
         with_master = encodings.has_master(st)
@@ -397,17 +395,13 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         keys = [*encodings.element_keys(pfmt, with_master), *encodings.block_keys(pfmt, with_master)]
         fits = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
             and p.is_contiguous() and all(st[key].is_contiguous() for key in keys)
-        step = int(st["step"].item())
+        step = int(st["step"].item()) + 1  # the step being taken
         kernel = _cpp_kernel(p.device, pfmt, implementation) if fits else None
         if kernel is not None:
-            coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                              weight_decay=hp.weight_decay, decay=hp.decay,
-                                              optimized_update=hp.optimized_update)
-            kernel.adam_step(
-                [p], [g], {key: st[key].view(-1) for key in keys}, [0], coefficients,
-                None if grad_scale is None else grad_scale.to(device="cpu", dtype=torch.float32).reshape(()),
-                hp.decay == "l2", hp.optimized_update, step + 1, encodings.tables(pfmt, p.device) or (),
-                [offsets[k] if offsets else 0])
+            if step not in coefficients:
+                coefficients[step] = hp.coefficients(step)
+            _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [offsets[k] if offsets else 0],
+                      pfmt, hp, coefficients[step], grad_scale, step)
             st["step"] += 1
         elif fits and implementation in ("auto", "triton") \
                 and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}"):
@@ -422,13 +416,10 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         numels = [p.numel() for p in params]
         table = triton_kernel.tensor_table(params, grads, numels, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
                                            device, states=[state[pairs[k][0]] for k in ks])
-        coefficients = adam_coefficients(step=step + 1, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                          weight_decay=hp.weight_decay, decay=hp.decay,
-                                          optimized_update=hp.optimized_update)
         triton_kernel.launch(triton_kernel.work_list(numels, device), table,
-                             triton_kernel.scalars(coefficients, step + 1, device), {}, encodings.tables(pfmt, device),
-                             param_dtype=dtype, grad_dtype=gdtype, master=_master_kind(pfmt, with_master),
-                             exp_avg=pfmt.exp_avg,
+                             triton_kernel.scalars(hp.coefficients(step), step, device), {},
+                             encodings.tables(pfmt, device), param_dtype=dtype, grad_dtype=gdtype,
+                             master=_master_kind(pfmt, with_master), exp_avg=pfmt.exp_avg,
                              exp_avg_sq=pfmt.exp_avg_sq, l2=hp.decay == "l2", optimized_update=hp.optimized_update,
                              grad_scale=None if grad_scale is None else
                              grad_scale.to(device=device, dtype=torch.float32).reshape(1))
@@ -522,21 +513,27 @@ def _cpp_kernel(device: torch.device, fmt: StateFormat, implementation: str):
 
 def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
               grad_scale: Optional[Tensor], step: int) -> None:
-    """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place
-    (with uint8 moments, :func:`halfadam.encodings.tables` passed along: the kernel uses its float32 values)."""
-    coefficients = adam_coefficients(step=step, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-                                      weight_decay=hp.weight_decay, decay=hp.decay,
-                                      optimized_update=hp.optimized_update)
+    """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place."""
     if len(items) == len(bucket.params):
         params, offsets = bucket.params, bucket.offsets
     else:
         params = [bucket.params[i] for i, _ in items]
         offsets = [bucket.offsets[i] for i, _ in items]
+    _cpp_call(kernel, params, [g for _, g in items], bucket.flat, offsets, [], bucket.format, hp,
+              hp.coefficients(step), grad_scale, step)
+
+
+def _cpp_call(kernel, params: List[Tensor], grads: List[Tensor], flat: Dict[str, Tensor], offsets: List[int],
+              positions: List[int], fmt: StateFormat, hp: Hyperparameters, coefficients: tuple,
+              grad_scale: Optional[Tensor], step: int) -> None:
+    """The C++ kernel's ``adam_step`` over ``params`` whose state lies in the 1-D buffers ``flat`` at
+    ``offsets`` (``positions``: their first elements' positions in their whole parameters, empty for
+    0); with uint8 moments :func:`halfadam.encodings.tables` is passed along (the kernel uses its
+    float32 values)."""
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
-    kernel.adam_step(params, [g for _, g in items], bucket.flat, offsets, coefficients, grad_scale,
-                     hp.decay == "l2", hp.optimized_update, step, encodings.tables(bucket.format, bucket.device) or (),
-                     [])
+    kernel.adam_step(params, grads, flat, offsets, coefficients, grad_scale, hp.decay == "l2", hp.optimized_update,
+                     step, encodings.tables(fmt, torch.device("cpu")) or (), positions)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own
