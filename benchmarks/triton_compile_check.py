@@ -8,6 +8,13 @@ candidates that exact comparisons then decide).
 
 Prints one line per variant and exits 1 if one fails to compile or breaks a check. Needs the triton
 package (its bundled ptxas), not a GPU; ``tests/test_triton.py`` runs it.
+
+Each line also gives the variant's speed, judged statically: the cubin's SASS instructions (counted in
+the listing of triton's bundled ``nvdisasm``) per element (the kernel has no loops, and each of a
+program's ``num_warps * 32`` threads holds ``NB * BLOCK / (num_warps * 32)`` elements), the bytes
+it moves per element, and the H200 time per element each implies: bytes over :data:`HBM_BYTES_PER_S`
+against instructions over :data:`LANE_INSTRUCTIONS_PER_S`. The larger bounds the step; ``issue/mem``
+above 1 means compute-bound.
 """
 
 from __future__ import annotations
@@ -31,6 +38,41 @@ from halfadam.kernels import triton as kernel  # noqa: E402
 
 _MOMENT = {0: "fp32", 1: "bf16", 2: "u8"}
 _DTYPES = {tl.float32: "fp32", tl.float16: "fp16", tl.bfloat16: "bf16"}
+_SIZE = {tl.float32: 4, tl.float16: 2, tl.bfloat16: 2}
+
+#: H200: HBM3e bandwidth, and lane-instructions issued per second (132 SMs x 4 schedulers x 32 lanes x
+#: 1.98 GHz boost; one warp instruction per scheduler per cycle)
+HBM_BYTES_PER_S = 4.8e12
+LANE_INSTRUCTIONS_PER_S = 132 * 4 * 32 * 1.98e9
+#: the kernel's launch shape: Triton's default num_warps
+NUM_WARPS = 4
+
+
+def bytes_per_element(const: dict) -> float:
+    """Bytes one element's update reads and writes: parameter (read, write), gradient (read), master
+    (fp32: 4 + 4; split: the remainder's two bytes, both ways, and a tie byte per block), moments (fp32
+    4 + 4, bf16 2 + 2, uint8 1 + 1 and a float32 absmax per block, both ways)."""
+    block = kernel.BLOCK
+    total = 2 * _SIZE[const["P_DTYPE"]] + _SIZE[const["G_DTYPE"]]
+    total += {0: 0.0, 1: 8.0, 2: 4.0 + 2.0 / block}[const["MASTER"]]
+    for kind in (const["M_KIND"], const["V_KIND"]):
+        total += {0: 8.0, 1: 4.0, 2: 2.0 + 8.0 / block}[kind]
+    return total
+
+
+def sass_instructions(cubin: bytes) -> int:
+    """Instructions in ``cubin``'s SASS listing (triton's bundled ``nvdisasm``; NOPs of the padding not
+    counted)."""
+    import subprocess
+    import tempfile
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in listing.splitlines()
+               if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line) and not re.search(r"\bNOP\b", line))
 
 
 def signature(m_kind: int, v_kind: int) -> dict:
@@ -58,9 +100,15 @@ def variants():
                SCALARS_STRIDE=0, STATE_IN_TABLE=True)
 
 
+#: The state modes' variants for bf16 parameters (float32 gradients, as GradScaler hands them over) and
+#: their instruction budgets per element (the low-memory-state issue's targets, 2026-12-01)
+MODES = {"fp32": ((1, 0, 0), 130), "split": ((2, 0, 0), 150), "bf16": ((2, 1, 1), 110), "compact": ((2, 2, 2), 110)}
+
+
 def check(arch: int) -> int:
     target = GPUTarget("cuda", arch, 32)
     failures = 0
+    per_mode = {}
     for const in variants():
         const = dict(const, NB=kernel.BLOCKS_PER_PROGRAM, BLOCK_=kernel.BLOCK)
         name = (f"{_DTYPES[const['P_DTYPE']]} master={const['MASTER']} m={_MOMENT[const['M_KIND']]} "
@@ -80,8 +128,24 @@ def check(arch: int) -> int:
         fma = len(re.findall(r"\bfma\.\S*f32", ptx))
         bad = approx or (fma and const["V_KIND"] != 2) or not out.asm.get("cubin")
         failures += bool(bad)
+        speed = ""
+        if out.asm.get("cubin"):
+            per_thread = const["NB"] * const["BLOCK_"] / (NUM_WARPS * 32)
+            per_element = sass_instructions(out.asm["cubin"]) / per_thread
+            moved = bytes_per_element(const)
+            mem_ns, issue_ns = moved / HBM_BYTES_PER_S * 1e9, per_element / LANE_INSTRUCTIONS_PER_S * 1e9
+            speed = (f"; SASS {per_element:.0f} instr/element, {moved:.2f} B/element; H200 per 1M elements: "
+                     f"memory {mem_ns * 1e3:.2f} us, issue {issue_ns * 1e3:.2f} us (issue/mem {issue_ns / mem_ns:.2f})")
+            plain = not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"])
+            for mode, (kinds, budget) in MODES.items():
+                if plain and const["P_DTYPE"] == tl.bfloat16 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
+                    per_mode[mode] = (per_element, budget, issue_ns / mem_ns)
         print(f"{'FAIL' if bad else 'ok  '} {name}: div.rn {ptx.count('div.rn.f32')}, sqrt.rn {ptx.count('sqrt.rn.f32')}, "
-              f"approximate {approx}, fma {fma}, cubin {len(out.asm.get('cubin', b''))} B")
+              f"approximate {approx}, fma {fma}, cubin {len(out.asm.get('cubin', b''))} B{speed}")
+    print(f"state modes, bf16 parameters, sm_{arch}: SASS instructions per element (budget), issue/memory time on an H200:")
+    for mode, (per_element, budget, ratio) in per_mode.items():
+        print(f"  {mode:8s} {per_element:4.0f} ({budget}{', over' if per_element > budget else ''}), {ratio:.2f}"
+              f"{' compute-bound' if ratio > 1 else ''}")
     return failures
 
 

@@ -76,7 +76,7 @@ def test_bad_options_are_one_line_exit_2(argv, expected, capsys, monkeypatch):
     assert expected in captured.err and "Traceback" not in captured.err
 
 
-FAILING = ["--sizes", "8000", "--tensors", "2", "--no-small", "--impls", "reference", "--dtypes", "fp16,bf16",
+FAILING = ["--sizes", "8192", "--tensors", "2", "--no-small", "--impls", "reference", "--dtypes", "fp16,bf16",
            "--state-modes", "fp32", "--warmup", "1", "--repeat", "2"]
 
 
@@ -107,7 +107,7 @@ def test_a_failing_configuration_is_a_row_and_the_table_goes_on(capsys, monkeypa
     assert list(calls.values()) == [2]  # failed in its second round, then never stepped again
     lines = captured.out.splitlines()
     fp16 = [line for line in lines if "halfadam reference" in line and " fp16 " in line]
-    assert len(fp16) == 1 and fp16[0].split() == ["8000/2", "halfadam", "reference", "fp16", "fp32", "failed:",
+    assert len(fp16) == 1 and fp16[0].split() == ["8192/2", "halfadam", "reference", "fp16", "fp32", "failed:",
                                                  "RuntimeError:", "damaged", "cache", "entry"], fp16
     bf16 = [line.split() for line in lines if "halfadam reference" in line and " bf16 " in line]
     assert len(bf16) == 1 and float(bf16[0][5]) > 0  # timed: ms/step
@@ -146,3 +146,29 @@ def test_gpt_case_has_the_real_shapes():
     params = bench._make_params(dict(numel=sum(math.prod(s) for s in small), tensors=len(small), shapes=small),
                                 torch.bfloat16, "cpu", 0)
     assert [tuple(p.shape) for p in params] == small and all(p.grad.shape == p.shape for p in params)
+
+
+def test_sizes_become_matrices_of_whole_blocks(capsys):
+    """A --sizes count whose share per tensor is no whole number of blocks (1e6 / 50 = 20,000 elements,
+    156.25 blocks) is timed on matrices of whole-block rows, rounded, and says so: so the per-block modes
+    store their encodings (4.07 B/param in compact), as on a transformer's matrices, not the float32
+    fields of 1-D tensors (12 B/param)."""
+    assert bench.matrix_shapes(1_000_000, 50) == [(156, 128)] * 50
+    assert bench.matrix_shapes(20_000_000, 50) == [(3125, 128)] * 50  # 400,000 elements: no rounding
+    assert bench.matrix_shapes(51_200, 50) == [(1, 1024)] * 50
+    assert bench.matrix_shapes(20_000, 2000) == [(10,)] * 2000  # fewer than a block: 1-D
+    argv = ["--sizes", "10000", "--tensors", "4", "--no-small", "--impls", "foreach", "--dtypes", "bf16",
+            "--warmup", "0", "--repeat", "1", "--json"]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    assert ("10000/4: 10,240 parameters (10,000 asked), 4 matrices of 20 rows of 128 elements (rows of whole "
+            "128-element blocks)") in captured.err
+    rows = {r.get("state"): r for r in json.loads(captured.out) if r["impl"] == "halfadam foreach"}
+    assert {r["numel"] for r in rows.values()} == {10_240}
+    compact = (2 + 1 + 1) + (1 + 4 + 4) / 128 + 4 * 4 / 10_240  # as in test_bench_json_rows
+    assert rows["compact"]["state_bytes_per_param"] == pytest.approx(compact)
+
+
+def test_tiny_tensors_say_they_keep_float32_fields():
+    case = bench._case("overhead", bench.matrix_shapes(20_000, 2000), 20_000)
+    assert "1-D tensors of 10 elements" in bench._describe_case(case) and "12 B/param" in bench._describe_case(case)

@@ -154,7 +154,6 @@ def test_python_m_halfadam_subprocess(text_file, tmp_path):
         (["--task", "digits", "--text", "x.txt"], "--text only applies"),
         (["--task", "digits", "--batch-size", "15", "--nproc", "2"], "--batch-size 15 must be divisible by --nproc 2"),
         (["--nproc", "0"], "positive integer"),
-        (["--dist", "fsdp", "--resume", "ckpt"], "--dist fsdp runs without --resume"),
         (["--dist", "fsdp", "--peers"], "--dist fsdp runs without the peer modes"),
         (["--dist", "zero"], "invalid choice"),
     ],
@@ -395,6 +394,45 @@ def test_nproc_2_fsdp_matches_one_process(tmp_path, capfd):
             tol = 1e-5 if name == "fp32" else 2e-3
             assert max(abs(x - y) / abs(y) for x, y in zip(m["val_loss"], ref["val_loss"])) < tol, name
     assert two["modes"]["fp16-halfadam"]["skipped_steps"] == one["modes"]["fp16-halfadam"]["skipped_steps"]
+
+
+@needs_gloo
+@pytest.mark.distributed
+def test_nproc_2_fsdp_saves_and_resumes_through_dcp(tmp_path, capfd):
+    """--dist fsdp --save writes one DCP directory per mode (every rank its shards, with the SHA-256
+    manifest); --resume continues it to the uninterrupted run's numbers exactly; a corrupt shard is one
+    line naming the file, before any mode trains."""
+    pytest.importorskip("sklearn")
+    args = NPROC_ARGS[:-1] + ["--modes", "fp32,fp16-halfadam,bf16-halfadam-compact", "--nproc", "2", "--dist",
+                              "fsdp", "--no-progress"]  # fp32: torch.optim.AdamW, DCP's own way
+    steps = args.index("--steps") + 1
+    full_args = args[:steps] + ["6"] + args[steps + 1:]
+    part_args = args[:steps] + ["3"] + args[steps + 1:]
+    assert main(full_args + ["--out", str(tmp_path / "full")]) == 0
+    assert main(part_args + ["--out", str(tmp_path / "part"), "--save", str(tmp_path / "ck")]) == 0
+    ck = tmp_path / "ck" / "bf16-halfadam-compact.dcp"
+    assert {"halfadam.sha256", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ck))
+    capfd.readouterr()
+    assert main(full_args + ["--out", str(tmp_path / "resumed"), "--resume", str(tmp_path / "ck")]) == 0
+    full, resumed = _metrics(tmp_path / "full")["modes"], _metrics(tmp_path / "resumed")["modes"]
+    for name in full:
+        for key in ("train_loss", "val_steps", "val_loss", "weight_distance_to_fp32", "final_loss_scale",
+                    "skipped_steps"):
+            assert str(full[name].get(key)) == str(resumed[name].get(key)), (name, key)
+    data = bytearray((ck / "__1_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 4
+    (ck / "__1_0.distcp").write_bytes(bytes(data))
+    capfd.readouterr()
+    assert main(full_args + ["--out", str(tmp_path / "bad"), "--resume", str(tmp_path / "ck")]) == 2
+    err = capfd.readouterr().err
+    assert f"halfadam train: error: --resume: cannot load the checkpoint {ck}" in err, err
+    assert "__1_0.distcp: its SHA-256 differs" in err and "Traceback" not in err, err
+
+
+def test_fsdp_in_one_process_says_so(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    assert main(NPROC_ARGS + ["--modes", "fp32", "--dist", "fsdp", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert "--dist fsdp in one process: nothing is sharded" in capsys.readouterr().out
 
 
 @needs_gloo

@@ -39,6 +39,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CASES = [(mode, dtype) for mode in MODES for dtype in DTYPES]
 #: checkpoints loaded into optimizers of another mode (bf16 parameters)
 CROSS = [("compact", mode) for mode in MODES if mode != "compact"] + [("fp32", "compact"), ("split", "bf16")]
+#: bf16 runs converted between steps (model.to(dtype)) on 2 and 4 ranks: uneven shards, split masters
+CONVERTED = [(mode, dtype) for mode in ("split", "bf16", "compact") for dtype in ("fp16", "fp32")]
 
 
 def make_model(dtype):
@@ -103,6 +105,15 @@ def single_run(mode, dtype, steps=STEPS):
     opt = make_opt(model, mode)
     train(model, opt, steps)
     return model, opt
+
+
+def converted_run(model, mode, dtype):
+    """Two bf16 steps, ``model.to(dtype)``, two more steps: the gathered parameters and state."""
+    opt = make_opt(model, mode)
+    train(model, opt, 2)
+    model.to(DTYPES[dtype])
+    train(model, opt, 2, 2)
+    return snapshot(model, opt)
 
 
 def fsdp(model, **kw):
@@ -177,6 +188,9 @@ def _worker(rank, world, out):
         opt = make_opt(model, target)
         dcp_load(model, opt, case_dir(out, world, source, "bf16"))
         results[("cross", source, target)] = snapshot(model, opt)
+    if world > 1:
+        for mode, dtype in CONVERTED:
+            results[("converted", mode, dtype)] = converted_run(fsdp(make_model(torch.bfloat16)), mode, dtype)
     if world == 2:
         results["refused"] = _refused()
         results["exports"] = _exports()
@@ -315,6 +329,16 @@ def test_checkpoint_layout_needs_a_halfadam_optimizer(runs):
     with pytest.raises(TypeError, match="checkpoint_id needs a halfadam optimizer"):
         hd.get_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()),
                                     checkpoint_id=case_dir(runs[0], 2, "fp32", "fp32"))
+
+
+@pytest.mark.parametrize("mode, dtype", CONVERTED, ids=[f"{m}-bf16-to-{d}" for m, d in CONVERTED])
+def test_dtype_change_between_steps_on_uneven_shards(runs, mode, dtype):
+    """``model.to(float16 / float32)`` after bf16 steps with split masters and encoded moments: the state
+    is conformed on each local shard (rows 5+4 and 3+2+2+2 of the [9, 384] weight), and the run is
+    bitwise the one-process run's."""
+    expected = converted_run(make_model(torch.bfloat16), mode, dtype)
+    for world in (2, 4):
+        assert same(runs[2][world][("converted", mode, dtype)], expected), f"{world} ranks"
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

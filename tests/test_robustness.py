@@ -8,6 +8,7 @@ or numbers derived from the encodings' definitions.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -461,3 +462,58 @@ def test_fp32_steps_then_half_is_one_behaviour():
         out[impl] = (lin.weight.detach().clone(), opt.master_weight(lin.weight).clone())
     for impl, (w, m) in out.items():
         assert torch.equal(_bits(w), _bits(out["reference"][0])) and torch.equal(m, out["reference"][1]), impl
+
+
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+@pytest.mark.parametrize("new_shape", [(2, 128), (8, 128), (4, 64)], ids=["smaller", "larger", "reshaped"])
+def test_a_resized_parameter_is_named_and_can_restart(impl, mode, new_shape):
+    """``p.data = torch.randn(...)`` of another shape between steps: step, master_weight and state_dict raise
+    a ValueError naming the parameter, both shapes and the way out, with nothing changed; after
+    ``del opt.state[p]`` the parameter steps from fresh state, as a new optimizer's does, and the other
+    parameter keeps its trajectory (its bucket is rebuilt around the new size)."""
+    a, b = _params(torch.bfloat16, [(4, 128), (3, 128)])
+    opt = halfadam.AdamW([a, b], lr=1e-2, weight_decay=0.1, state_mode=mode, implementation=impl)
+    twin_b = torch.nn.Parameter(b.detach().clone())
+    twin = halfadam.AdamW([twin_b], lr=1e-2, weight_decay=0.1, state_mode=mode, implementation="reference")
+    for t in range(2):
+        a.grad, b.grad = torch.ones_like(a), _grads([b], t)[b]
+        twin_b.grad = b.grad.clone()
+        opt.step()
+        twin.step()
+    a.data = torch.randn(new_shape).to(torch.bfloat16)
+    a.grad, b.grad = torch.ones_like(a), _grads([b], 2)[b]
+    b_before, state_before = b.detach().clone(), {k: v.clone() for k, v in opt.state[b].items()}
+    message = (rf"param_groups\[0\]\['params'\]\[0\] has shape {re.escape(str(new_shape))}, but its optimizer state "
+               rf".* was made for shape \(4, 128\).*del optimizer.state\[p\]")
+    for call in (opt.step, lambda: opt.master_weight(a), opt.state_dict, opt.sync_master_weights):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert torch.equal(b, b_before) and all(torch.equal(v, opt.state[b][k]) for k, v in state_before.items())
+    assert float(opt.state[b]["step"]) == 2 and opt.param_groups[0]["global_step"] == 2
+    del opt.state[a]
+    fresh_a = torch.nn.Parameter(a.detach().clone())
+    fresh = halfadam.AdamW([fresh_a], lr=1e-2, weight_decay=0.1, state_mode=mode, implementation="reference")
+    fresh_a.grad, twin_b.grad = a.grad.clone(), b.grad.clone()
+    opt.step()
+    fresh.step()
+    twin.step()
+    assert torch.equal(a, fresh_a) and torch.equal(opt.master_weight(a), fresh.master_weight(fresh_a))
+    assert torch.equal(b, twin_b) and torch.equal(opt.master_weight(b), twin.master_weight(twin_b))
+    assert tuple(opt.state[a]["exp_avg"].shape) == new_shape
+
+
+def test_a_checkpoint_of_the_new_shape_loads_over_stale_state():
+    """A parameter resized between steps takes a checkpoint of its new shape (the stale state is replaced)."""
+    a, = _params(torch.bfloat16, [(4, 128)])
+    opt = halfadam.AdamW([a], lr=1e-2, state_mode="compact")
+    a.grad = torch.ones_like(a)
+    opt.step()
+    source_a, = _params(torch.bfloat16, [(2, 128)], seed=1)
+    source = halfadam.AdamW([source_a], lr=1e-2, state_mode="compact")
+    source_a.grad = torch.ones_like(source_a)
+    source.step()
+    a.data = source_a.detach().clone()
+    opt.load_state_dict(source.state_dict())
+    assert torch.equal(opt.master_weight(a), source.master_weight(source_a))
+    assert all(torch.equal(v, opt.state[a][k]) for k, v in source.state[source_a].items())

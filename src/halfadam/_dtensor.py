@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "localize", "flat_offset", "row_sharded", "zeros_like_rows", "like_param"]
+__all__ = ["is_dtensor", "local", "localize", "flat_offset", "row_sharded", "zeros_like_rows", "like_rows", "like_param"]
 
 try:  # DTensor is public from torch 2.4 (torch.distributed.tensor)
     from torch.distributed.tensor import DTensor as _DTensor
@@ -62,12 +62,19 @@ def zeros_like_rows(param: Any, shape: Tuple[int, ...], dtype: torch.dtype) -> A
     """Zeros of ``shape`` (``shape[0]``: the parameter's rows) on ``param``'s device; for a row-sharded
     ``DTensor`` parameter a ``DTensor`` of the same placements whose local shard holds the rows of
     ``param``'s local shard, so per-row state is sharded with its parameter."""
+    lp = local(param)
+    rows = lp.shape[0] if is_dtensor(param) else shape[0]
+    return like_rows(torch.zeros((rows, *shape[1:]), dtype=dtype, device=lp.device), param, shape)
+
+
+def like_rows(t: Tensor, param: Any, shape: Tuple[int, ...]) -> Any:
+    """``t`` (the rows of ``param``'s local shard of a per-row tensor whose whole is ``shape``) as
+    ``param`` is: itself for a plain parameter, else the local shard of a ``DTensor`` of ``param``'s
+    mesh and placements and of global ``shape`` (see :func:`zeros_like_rows`)."""
     if not is_dtensor(param):
-        return torch.zeros(shape, dtype=dtype, device=param.device)
-    lp = param.to_local()
+        return t
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return _DTensor.from_local(torch.zeros((lp.shape[0], *shape[1:]), dtype=dtype, device=lp.device),
-                               param.device_mesh, param.placements, run_check=False, shape=torch.Size(shape),
+    return _DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=torch.Size(shape),
                                stride=stride)
 
 

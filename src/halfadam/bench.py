@@ -71,20 +71,47 @@ def gpt_shapes(layers: int = 24, width: int = 2048, vocab: int = 50257, context:
     return shapes + [(width,), (width,)]
 
 
+def matrix_shapes(numel: int, tensors: int) -> List[tuple]:
+    """``numel`` parameters as ``tensors`` equal matrices whose rows are whole BLOCKs, so that every state
+    mode stores its per-block encodings (a real model's matrices do; 1-D tensors keep float32 fields):
+    rows of 1,024 elements where each tensor's share divides into them, else of BLOCK elements, the
+    share rounded to whole rows. Shares below BLOCK stay 1-D (the overhead case's 10-element tensors)."""
+    per = numel // tensors
+    if per < BLOCK:
+        return [(per,)] * (tensors - 1) + [(numel - per * (tensors - 1),)]
+    width = 1024 if per % 1024 == 0 else BLOCK
+    return [(max(1, round(per / width)), width)] * tensors
+
+
+def _case(name: str, shapes: List[tuple], asked: Optional[int] = None, **kw: Any) -> Dict[str, Any]:
+    numel = sum(math.prod(s) for s in shapes)
+    return dict(name=name, numel=numel, tensors=len(shapes), shapes=shapes, asked=asked or numel, **kw)
+
+
 def _cases(args) -> List[Dict[str, Any]]:
-    cases = []
-    for size in args.sizes:
-        cases.append(dict(name=f"{_fmt(size)}/{args.tensors}", numel=size, tensors=args.tensors))
+    sized = [(f"{_fmt(size)}/{args.tensors}", size, args.tensors) for size in args.sizes]
     if args.large:
-        cases.append(dict(name=f"100M/{args.tensors}", numel=100_000_000, tensors=args.tensors))
+        sized.append((f"100M/{args.tensors}", 100_000_000, args.tensors))
+    cases = [_case(name, matrix_shapes(numel, tensors), numel) for name, numel, tensors in sized]
     if getattr(args, "gpt", False):
-        shapes = gpt_shapes()
-        numel = sum(math.prod(s) for s in shapes)
-        cases.append(dict(name=f"gpt-1.3B/{len(shapes)}", numel=numel, tensors=len(shapes), shapes=shapes))
+        cases.append(_case(f"gpt-1.3B/{len(gpt_shapes())}", gpt_shapes(), on_device=True))
     if not args.no_small:
-        cases.append(dict(name="many-small 2M/2000", numel=2_000_000, tensors=2000))
-        cases.append(dict(name=OVERHEAD_CASE, numel=20_000, tensors=2000))
+        cases += [_case(name, matrix_shapes(numel, tensors), numel)
+                  for name, numel, tensors in (("many-small 2M/2000", 2_000_000, 2000), (OVERHEAD_CASE, 20_000, 2000))]
     return cases
+
+
+def _describe_case(case: Dict[str, Any]) -> Optional[str]:
+    """A line for a case whose tensors are not what its name says: a count rounded to whole rows, or
+    1-D tensors (which keep float32 fields in every per-block state mode)."""
+    shape = case["shapes"][0]
+    if len(shape) == 1:
+        return (f"{case['name']}: {case['tensors']} 1-D tensors of {shape[0]} elements, fewer than a block: the "
+                f"split, bf16 and compact modes keep float32 fields for them (12 B/param)")
+    if case["asked"] != case["numel"]:
+        return (f"{case['name']}: {case['numel']:,} parameters ({case['asked']:,} asked), {case['tensors']} "
+                f"matrices of {shape[0]} rows of {shape[1]} elements (rows of whole {BLOCK}-element blocks)")
+    return None
 
 
 def _fmt(n: int) -> str:
@@ -92,20 +119,12 @@ def _fmt(n: int) -> str:
 
 
 def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> List[torch.Tensor]:
-    """The case's parameters (``case["shapes"]``, or ``numel`` split into ``tensors`` equal tensors: rows of
-    BLOCK elements where the size allows, so the per-block state modes apply, else 1-D) with gradients;
-    values drawn on the CPU, or on the device for a shapes case (a 1.3B model)."""
-    numel, tensors = case["numel"], case["tensors"]
-    if "shapes" in case:
-        g = torch.Generator(device=device).manual_seed(seed)
-        shapes, on = case["shapes"], dict(device=device)
-    else:
-        g, on = torch.Generator().manual_seed(seed), {}
-        per = numel // tensors
-        sizes = [per if i < tensors - 1 else numel - per * (tensors - 1) for i in range(tensors)]
-        shapes = [(n // BLOCK, BLOCK) if n % BLOCK == 0 else (n,) for n in sizes]
+    """The case's parameters (``case["shapes"]``: :func:`matrix_shapes`, or a model's) with gradients;
+    values drawn on the CPU, or on the device for a model's (a 1.3B GPT)."""
+    on = dict(device=device) if case.get("on_device") else {}
+    g = torch.Generator(**on).manual_seed(seed)
     params = []
-    for shape in shapes:
+    for shape in case["shapes"]:
         p = (torch.randn(shape, generator=g, **on) * 0.02).to(device=device, dtype=dtype).requires_grad_()
         p.grad = (torch.randn(shape, generator=g, **on) * 1e-3).to(device=device, dtype=dtype)
         params.append(p)
@@ -180,6 +199,9 @@ def measure(args) -> List[Dict[str, Any]]:
             print(f"halfadam bench: {impl} skipped on {args.device}: {why}", file=sys.stderr)
     rows = []
     for case in _cases(args):
+        note = _describe_case(case)
+        if note is not None:
+            print(f"halfadam bench: {note}", file=sys.stderr)
         configs: List[list] = []  # [label dict, optimizer or None, failure or None]
 
         def add(label, dtype, build):

@@ -70,6 +70,7 @@ class Bucket:
         self.dtype = params[0].dtype
         self.format = encodings.for_param(fmt, params[0], use_master)
         self.has_master = bool(use_master)
+        self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         align = BLOCK if self.format.blocked else 1
         self.sizes = [-(-n // align) * align for n in self.numels]
@@ -132,12 +133,12 @@ class Bucket:
 
     def view(self, flat: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s view of a flat per-element buffer, in the parameter's shape."""
-        return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
+        return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.shapes[i])
 
     def block_view(self, flat: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s view of a flat per-block buffer, of :func:`halfadam.encodings.block_shape`."""
         return flat[self.offsets[i] // BLOCK:(self.offsets[i] + self.sizes[i]) // BLOCK].view(
-            encodings.block_shape(tuple(self.params[i].shape)))
+            encodings.block_shape(tuple(self.shapes[i])))
 
     def views(self, flat: Tensor) -> List[Tensor]:
         """Every parameter's view of ``flat`` (one of this bucket's per-element buffers; cached)."""

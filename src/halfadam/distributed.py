@@ -22,7 +22,9 @@ seams that machinery needs:
   across their mesh; replicated gradients (DDP, ZeRO) already give the global norm locally.
 * **Distributed checkpoints**: :func:`get_optimizer_state_dict` / :func:`set_optimizer_state_dict`
   wrap ``torch.distributed.checkpoint.state_dict``'s functions so that missing state is created
-  without DCP's fake zero-gradient step (see :func:`init_state`).
+  without DCP's fake zero-gradient step (see :func:`init_state`). :func:`save_checkpoint` /
+  :func:`load_checkpoint` save and load a model and its optimizer through DCP with a SHA-256
+  manifest checked before anything is read, and a load that changes nothing unless it succeeds.
 
 Seam for the fused (compiled, flat-buffer) execution: an execution receives ``(param, grad)`` pairs
 and the per-parameter state; call :func:`localize` first (the optimizer does) and it sees ordinary
@@ -34,17 +36,20 @@ stride=param.stride())``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from ._dtensor import is_dtensor, local, localize  # noqa: F401  (public here: halfadam.distributed.local...)
 from .optimizer import _AdamBase
+from .state_dict import CheckpointError
 
 __all__ = [
     "AUTO",
@@ -59,6 +64,8 @@ __all__ = [
     "init_state",
     "get_optimizer_state_dict",
     "set_optimizer_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
     "launch",
     "init_from_env",
 ]
@@ -221,7 +228,8 @@ def init_state(optimizer: Any) -> None:
 
 def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None,
                              checkpoint_id: Any = None, key: str = "optim") -> Dict[str, Any]:
-    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for a halfadam optimizer.
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for a halfadam optimizer
+    (any other optimizer, without ``checkpoint_id``: DCP's function itself).
 
     State is keyed by fully-qualified parameter name; under FSDP2 every state tensor (``master_weight``,
     encoded moments, per-block keys) is a ``DTensor`` sharded like its parameter, so
@@ -233,35 +241,114 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
     from its metadata, so that ``dcp.load`` can fill it whatever this optimizer's mode; the
     :func:`set_optimizer_state_dict` that follows decodes it and encodes it in this optimizer's mode,
     as a single-process ``load_state_dict`` does. (It is laid out by a temporary optimizer of the same
-    class and parameter groups in the checkpoint's mode.) Without it, the layout is ``optimizer``'s own.
+    class and parameter groups in the checkpoint's mode; its ``param_groups`` have the checkpoint's
+    keys, so a schedule saved there loads whether or not ``optimizer`` has one.) Without it, the
+    layout is ``optimizer``'s own.
 
     Raises:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
+        CheckpointError: nothing is saved under ``key`` in ``checkpoint_id`` (the message lists the
+            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest.
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    if checkpoint_id is not None:
-        optimizer = _layout_of(optimizer, checkpoint_id, key)
-    init_state(optimizer)
-    return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
+    if checkpoint_id is None:
+        if halfadam_optimizer(optimizer) is not None:
+            init_state(optimizer)
+        return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
+    return _checkpoint_layout(model, optimizer, options, checkpoint_id, key)
 
 
-def _layout_of(optimizer: Any, checkpoint_id: Any, key: str) -> Any:
-    """``optimizer``, or a temporary one of its class and groups whose state format is that of the
-    optimizer state saved under ``key`` in the DCP checkpoint ``checkpoint_id`` (read off its keys and
-    dtypes: the most encoded field of any parameter; each parameter's own follows from its shape)."""
-    from torch.distributed.checkpoint import FileSystemReader
+def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, checkpoint_id: Any, key: str,
+                       staging: bool = False) -> Dict[str, Any]:
+    """:func:`get_optimizer_state_dict` with ``checkpoint_id``; ``staging``: its state tensors are new
+    ones even in ``optimizer``'s own mode (a temporary optimizer's), so ``dcp.load`` writes nothing of
+    ``optimizer``'s."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    from .encodings import StateFormat
+    layout, saved_keys = _layout_of(optimizer, checkpoint_id, key, staging)
+    init_state(layout)
+    osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
+    osd["param_groups"] = _saved_groups(saved_keys, key)
+    _saved_fields(osd["state"], saved_keys, key)
+    return osd
+
+
+def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -> None:
+    """Give ``state`` (per parameter name, the layout's state tensors) the fields the checkpoint saved
+    under ``key``, in place, so that ``load_state_dict`` judges them as it does in one process: a field
+    the checkpoint lacks (a master saved without master weights, a parameter that never stepped) is
+    dropped, and one the layout lacks (a master, for an optimizer without master weights) gets a
+    tensor of its saved size and dtype (whole, on the CPU) to be read into."""
+    saved: Dict[str, Dict[str, Any]] = {}
+    prefix = f"{key}.state."
+    for name, meta in saved_keys.items():
+        if name.startswith(prefix):
+            fqn, _, field = name[len(prefix):].rpartition(".")
+            saved.setdefault(fqn, {})[field] = meta
+    for fqn in list(state):
+        fields = saved.get(fqn)
+        if fields is None:
+            del state[fqn]
+            continue
+        st = state[fqn]
+        for field in [f for f in st if f not in fields]:
+            del st[field]
+        for field, meta in fields.items():
+            if field not in st and hasattr(meta, "size"):
+                st[field] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+
+
+def _layout_of(optimizer: Any, checkpoint_id: Any, key: str, staging: bool = False) -> Tuple[Any, Any]:
+    """``(optimizer, keys)``, or a temporary one of its class and groups whose state format is that of
+    the optimizer state saved under ``key`` in the DCP checkpoint ``checkpoint_id`` (read off its keys
+    and dtypes: the most encoded field of any parameter; each parameter's own follows from its shape),
+    and the checkpoint's metadata keys. ``staging``: a temporary one even when the formats agree (its
+    state tensors are new ones to load into). Raises CheckpointError when nothing is saved under
+    ``key``."""
+    from ._dcp_io import ChecksummedReader
 
     opt = halfadam_optimizer(optimizer)
     if opt is None or opt is not optimizer:
         raise TypeError(f"checkpoint_id needs a halfadam optimizer, got {type(optimizer).__name__}")
+    saved_keys = ChecksummedReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    if not any(name.startswith(f"{key}.") for name in saved_keys):
+        tops = sorted({name.split(".", 1)[0] for name in saved_keys})
+        raise CheckpointError(f"the checkpoint {checkpoint_id} has no optimizer state under key={key!r}: its "
+                              f"top-level keys are {tops}; pass the key it was saved under")
     prefix = f"{key}.state."
-    saved = {name: meta for name, meta in FileSystemReader(str(checkpoint_id)).read_metadata()
-             .state_dict_metadata.items() if name.startswith(prefix)}
-    if not saved:
-        return opt
+    saved = {name: meta for name, meta in saved_keys.items() if name.startswith(prefix)}
+    fmt = _saved_format(saved) if saved else opt.state_format
+    if fmt == opt.state_format and not staging:
+        return opt, saved_keys
+    groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
+    return type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
+                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq), saved_keys
+
+
+def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
+    """A template of the ``param_groups`` saved under ``key`` (``saved_keys``: the checkpoint's DCP
+    metadata keys), for ``dcp.load`` to fill: the checkpoint's own keys, whatever this optimizer's
+    groups hold (a schedule is saved as nested plain data, whose keys depend on its class, or as
+    ``None``)."""
+    prefix = f"{key}.param_groups."
+    groups: Dict[int, Dict[str, Any]] = {}
+    for name in saved_keys:
+        if name.startswith(prefix):
+            index, _, rest = name[len(prefix):].partition(".")
+            node = groups.setdefault(int(index), {})
+            *path, leaf = rest.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = None
+    return [groups[i] for i in sorted(groups)]
+
+
+def _saved_format(saved: Dict[str, Any]) -> Any:
+    """The state format of a checkpoint's optimizer state, from its DCP metadata (``saved``: its
+    ``<key>.state.*`` entries)."""
+    from .encodings import StateFormat
+
     fields = {name.rsplit(".", 1)[-1] for name in saved}
 
     def moment(name: str) -> torch.dtype:
@@ -271,17 +358,13 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, key: str) -> Any:
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    fmt = StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"))
-    if fmt == opt.state_format:
-        return opt
-    groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
-    return type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
-                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
+    return StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"))
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,
                              options: Any = None) -> None:
-    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` for a halfadam optimizer.
+    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` for a halfadam optimizer
+    (any other optimizer: DCP's function itself).
 
     Creates missing state with :func:`init_state` first (no fake step); the load itself is the
     optimizer's ``load_state_dict`` (:mod:`halfadam.checkpoint`), which keeps fp32 masters and moments
@@ -298,8 +381,206 @@ def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    init_state(optimizer)
+    if halfadam_optimizer(optimizer) is not None:
+        init_state(optimizer)
     dcp_sd.set_optimizer_state_dict(model, optimizer, optim_state_dict, options=options)
+
+
+#: The key under which :func:`save_checkpoint` stores its ``extra`` data.
+EXTRA_KEY = "extra"
+
+
+def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, *, extra: Optional[Dict[str, Any]] = None,
+                    key: str = "optim", model_key: str = "model", options: Any = None) -> None:
+    """Save ``model`` and ``optimizer`` as a DCP checkpoint in the directory ``checkpoint_id``, with a manifest.
+
+    Every rank calls it (under FSDP2 each writes its shards). The state dict is
+    ``{model_key: get_model_state_dict(model), key: get_optimizer_state_dict(model, optimizer)}`` (so
+    plain ``dcp.load`` reads it too; ``optimizer`` may also be a ``torch.optim`` one), plus ``extra``
+    under :data:`EXTRA_KEY`: plain data that ``torch.load(weights_only=True)`` reads back (numbers,
+    strings, lists, dicts, tensors: a scaler's ``state_dict()``, an RNG state, a history), saved once,
+    from rank 0 (every rank gets rank 0's back: key per-rank data by rank yourself). Written by
+    :class:`halfadam._dcp_io.ChecksummedWriter`: DCP's ``FileSystemWriter``, then the SHA-256 of every
+    file in ``halfadam.sha256`` (``sha256sum -c`` reads it), which :func:`load_checkpoint` checks
+    before reading anything. Into an existing directory the files are replaced in place; a save that
+    dies half-way leaves files that fail the check.
+
+    Raises:
+        CheckpointError: ``extra`` holds an object ``weights_only`` cannot load (before anything is
+            written); the optimizer cannot give its state (a resized parameter: its ValueError is the
+            cause); DCP failed to write (its ``CheckpointException`` or an ``OSError`` is the cause; the
+            message names the rank and the first failure).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ._dcp_io import ChecksummedWriter
+
+    where = f"cannot save the checkpoint {checkpoint_id}"
+    with _checkpoint_errors(where):
+        state = {model_key: get_model_state_dict(model, options=options),
+                 key: get_optimizer_state_dict(model, optimizer, options=options)}
+    dist = torch.distributed
+    if extra is not None and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        blob = io.BytesIO()
+        torch.save(extra, blob)
+        with _checkpoint_errors(f"{where}: extra must hold plain data that torch.load(weights_only=True) reads"):
+            torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+        blob.seek(0)
+        state[EXTRA_KEY] = blob
+    with _checkpoint_errors(where), _quiet_dcp():
+        dcp.save(state, storage_writer=ChecksummedWriter(str(checkpoint_id)))
+
+
+def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None, optimizer: Any = None, *,
+                    key: str = "optim", model_key: str = "model", options: Any = None) -> Dict[str, Any]:
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``: all of it, or nothing.
+
+    Every rank calls it, with any number of ranks and any sharding (DCP reshards), and a halfadam
+    optimizer of any state mode (the checkpoint's state is decoded and encoded in this one's, as
+    :func:`get_optimizer_state_dict` with ``checkpoint_id`` does; a ``torch.optim`` optimizer loads
+    DCP's way). State is matched to parameters by name, as DCP does. In order:
+
+    1. the files are checked against the checkpoint's SHA-256 manifest before any is read (a
+       checkpoint written without one, by plain ``dcp.save``, is read unchecked);
+    2. DCP loads into staging tensors: new ones of the model's and of a temporary optimizer's state
+       (one more copy of the model and of the optimizer state in memory while it runs);
+    3. then the model's parameters and buffers are copied in, and the optimizer's state is loaded
+       (halfadam's ``load_state_dict``, which checks everything first, as in one process); should
+       that fail, the model's previous values are copied back.
+
+    So a corrupt, truncated or mismatched checkpoint raises with ``model`` and ``optimizer`` as they
+    were. ``model`` alone (``optimizer=None``) loads the model; neither reads only ``extra``.
+
+    Returns:
+        The ``extra`` data saved with the checkpoint (``{}`` when none was).
+
+    Raises:
+        CheckpointError: a file fails the manifest (the message names it), nothing is saved under
+            ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
+            derives from ``BaseException``, is the cause), or the optimizer state does not fit
+            ``optimizer`` (its ``load_state_dict``'s message).
+        KeyboardInterrupt, SystemExit: as raised, also from inside DCP (nothing changed).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    from ._dcp_io import ChecksummedReader
+
+    where = f"cannot load the checkpoint {checkpoint_id}"
+    with _checkpoint_errors(where):
+        reader = ChecksummedReader(str(checkpoint_id))
+        keys = reader.read_metadata().state_dict_metadata  # checked first, on every rank
+    staged: Dict[str, Any] = {}
+    if model is not None:
+        live = dcp_sd.get_model_state_dict(model, options=options)
+        staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
+    opt = halfadam_optimizer(optimizer)
+    if optimizer is not None:
+        if model is None:
+            raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
+        groups = len(_saved_groups(keys, key))
+        if groups and groups != len(optimizer.param_groups):
+            raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
+                                  f"{len(optimizer.param_groups)}")
+        if opt is optimizer:
+            staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, key, staging=True)
+        else:  # a torch.optim optimizer (or ZeRO's): its own layout, cloned
+            staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
+    if EXTRA_KEY in keys:
+        staged[EXTRA_KEY] = io.BytesIO()
+    if staged:
+        with _checkpoint_errors(where, unchecked=reader.manifest is None), _quiet_dcp():
+            dcp.load(staged, storage_reader=reader)
+    extra: Dict[str, Any] = {}
+    if EXTRA_KEY in staged:
+        with _checkpoint_errors(f"{where}: its extra data"):
+            extra = torch.load(io.BytesIO(staged[EXTRA_KEY].getvalue()), weights_only=True)
+    if model is None:
+        return extra
+    backup = {k: v.detach().clone() for k, v in live.items() if isinstance(v, Tensor)} if optimizer is not None else None
+    dcp_sd.set_model_state_dict(model, staged[model_key], options=options)
+    if optimizer is not None:
+        fresh = [] if opt is None else [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)]
+        try:
+            set_optimizer_state_dict(model, optimizer, staged[key], options=options)
+        except BaseException:
+            dcp_sd.set_model_state_dict(model, backup, options=options)
+            for p in fresh:  # the state init_state made for the load
+                opt.state.pop(p, None)
+            raise
+    return extra
+
+
+def _cloned(tree: Any) -> Any:
+    """``tree`` (dicts and lists of tensors and plain values) with every tensor cloned."""
+    if isinstance(tree, Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _cloned(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_cloned(v) for v in tree]
+    return tree
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Without DCP's ``UserWarning`` that ``torch.distributed`` is off (a one-process save or load)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+@contextlib.contextmanager
+def _checkpoint_errors(what: str, unchecked: bool = False) -> Iterator[None]:
+    """Any exception inside (DCP's ``CheckpointException``, a ``BaseException``, included) leaves as
+    :class:`CheckpointError` with it as the cause and ``what`` and its first failure in the message;
+    ``KeyboardInterrupt`` and ``SystemExit`` leave as themselves, also from inside DCP's exception.
+    ``unchecked``: the checkpoint had no manifest (the message says so: no file was checked)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        interrupt = _interrupt(exc)
+        if interrupt is not None:
+            raise interrupt from exc
+        note = "; the checkpoint has no SHA-256 manifest (written by plain dcp.save?), so no file was checked" \
+            if unchecked else ""
+        raise CheckpointError(f"{what}: {_first_failure(exc)}{note}") from exc
+
+
+def _failures(exc: BaseException) -> List[Tuple[int, BaseException]]:
+    """A DCP ``CheckpointException``'s ``(rank, exception)`` pairs, by rank; ``[]`` for any other."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
+
+
+def _interrupt(exc: BaseException) -> Optional[BaseException]:
+    """The ``KeyboardInterrupt``/``SystemExit`` that DCP wrapped in ``exc``, if any."""
+    return next((e for _, e in _failures(exc) if isinstance(e, (KeyboardInterrupt, SystemExit))), None)
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line for ``exc``: a DCP ``CheckpointException``'s first failing rank and its exception (a
+    CheckpointError's own message), else the exception's first line."""
+    failures = _failures(exc)
+    if failures:
+        rank, inner = failures[0]
+        where = f"rank {rank}: " if len(failures) > 1 or torch.distributed.is_initialized() else ""
+        return where + _first_failure(inner)
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    # DCP's metadata fallback wraps the first error in an AssertionError: keep halfadam's own message
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, CheckpointError):
+        return str(cause)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else f"{type(exc).__name__} (no message)"
 
 
 # ---------------------------------------------------------------------------------- launching

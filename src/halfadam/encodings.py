@@ -101,7 +101,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._dtensor import zeros_like_rows
+from ._dtensor import like_param, like_rows, zeros_like_rows
 from .functional import adam_elementwise_, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
@@ -717,12 +717,13 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
 
 
 def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,
-                  master: Optional[Tensor] = None) -> Dict[str, Tensor]:
+                  master: Optional[Tensor] = None, offset: int = 0) -> Dict[str, Tensor]:
     """``state`` (any format; on any device) re-encoded in ``fmt`` for ``param``: new tensors, ``step`` kept.
 
     The master is ``master`` when given, else decoded from ``state`` (a split master against the
     parameter's current values), else the parameter's value. The encoded moments' random bits are
-    seeded with the step, so a conversion is reproducible.
+    seeded with the step and drawn at the elements' positions (``offset``: the first one's, as in
+    :func:`encode_state_`), so a conversion is reproducible and the same on every FSDP2 mesh.
     """
     step = state.get("step", torch.tensor(0.0))
     old = {k: (v.to(param.device) if isinstance(v, Tensor) else v) for k, v in state.items() if k != "step"}
@@ -731,9 +732,18 @@ def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has
         values["master_weight"] = master
     values.setdefault("master_weight", param.detach().to(torch.float32))
     new = new_state(fmt, param, has_master)
-    encode_state_(fmt, param, new, values, float(step))
+    encode_state_(fmt, param, new, values, float(step), offset)
     new["step"] = step
     return new
+
+
+def like_param_state(state: Dict[str, Tensor], param: Tensor) -> Dict[str, Tensor]:
+    """``state`` (tensors for ``param``'s local shard: per element of its shape, per block of its
+    rows; ``step`` as it is) as ``param`` is: itself for a plain parameter, else ``DTensor``\\ s
+    sharded like it (:func:`halfadam._dtensor.like_param`, :func:`halfadam._dtensor.like_rows`)."""
+    shape = block_shape(tuple(param.shape))
+    return {k: v if k == "step" else like_rows(v, param, shape) if is_block_key(k) else like_param(v, param)
+            for k, v in state.items()}
 
 
 def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None:

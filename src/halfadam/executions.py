@@ -447,6 +447,11 @@ def _triton():
     return triton_kernel
 
 
+def triton_unavailable(device: torch.device) -> Optional[str]:
+    """Why the Triton kernel cannot run tensors on ``device``, or ``None`` where it can."""
+    return _triton().unavailable_reason(device)
+
+
 def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparameters,
                  grad_scale: Optional[Tensor], scalars: Tensor, found_inf: Optional[Tensor] = None) -> None:
     """One Triton launch for the parameters of ``items``, reading each gradient and writing each parameter

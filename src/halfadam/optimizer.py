@@ -21,7 +21,8 @@ from . import state_dict as _state_dict
 from . import encodings
 from ._dtensor import flat_offset, is_dtensor, like_param, local, localize, row_sharded
 from .buckets import Bucket, bucket_key, build_buckets
-from .executions import IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step, shard_step
+from .executions import (IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step, shard_step,
+                         triton_unavailable)
 from .functional import DECAY_MODES, sync_master_
 from .param_groups import (STATE_FORMAT_KEYS, check_disjoint, check_grad, check_group_keys, check_order_params,
                            check_pairs, check_param, check_torch_flags, is_named, raise_foreign_key, split_params)
@@ -284,10 +285,11 @@ class _AdamBase(torch.optim.Optimizer):
         """
         old_dtype = self._dtypes.get(id(param), param.dtype)
         if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
+            # on a DTensor's (FSDP2's) local shards, whose elements keep their positions in the whole
             master = None
+            p = local(param).detach()
             if old_dtype != param.dtype and encodings.has_master(state):
-                old = {k: v.to(param.device) for k, v in state.items() if k != "step"}
-                p = param.detach()
+                old = {k: local(v).to(p.device) for k, v in state.items() if k != "step"}
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
                 # an fp32 master (rows that are not whole blocks) never depended on the old value
@@ -305,8 +307,9 @@ class _AdamBase(torch.optim.Optimizer):
                         f"the converted parameter (within half a {param.dtype} ulp of the old masters). To keep "
                         f"exact masters across fp16 <-> bf16, use state_mode='fp32', or carry them with "
                         f"master_state_dict / halfadam.checkpoint.load_master_state_dict", UserWarning, stacklevel=4)
-            new = encodings.convert_state(state, param, self._format(param, group), self._use_master(param, group),
-                                          master)
+            new = encodings.convert_state({k: local(v) for k, v in state.items()}, p, self._format(param, group),
+                                          self._use_master(param, group), master, flat_offset(param))
+            new = encodings.like_param_state(new, param)
             state.clear()
             state.update({k: v.to(torch.float64) if param.dtype == torch.float64 and k != "step" else v
                           for k, v in new.items()})
@@ -326,8 +329,43 @@ class _AdamBase(torch.optim.Optimizer):
             state["master_weight"] = master if master is not None else param.detach().to(compute, copy=True)
         self._dtypes[id(param)] = param.dtype
 
+    def _check_state_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
+        """ValueError when ``param``'s state was made for another shape (``p.data = torch.randn(...)``
+        of a new size between steps): it does not fit the parameter, and no rule makes it fit."""
+        state = self.state.get(param)
+        exp_avg = state.get("exp_avg") if state else None
+        if exp_avg is None or exp_avg.shape == param.shape:
+            return
+        made = tuple(exp_avg.shape)
+        if where is None:
+            where = f"param_groups[{next(i for i, g in enumerate(self.param_groups) if g is group)}]"
+        k = next(i for i, q in enumerate(group["params"]) if q is param)
+        raise ValueError(
+            f"{where}['params'][{k}] has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, "
+            f"master) was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
+            f"fresh state for it (step 0, zero moments, the master from its new value), remove its state first: "
+            f"del optimizer.state[p]; or give it back its shape {made}")
+
+    def _check_state_shapes(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], where: str) -> None:
+        """:meth:`_check_state_shape` for a step's ``pairs``, cheaply: a bucketed parameter of its
+        bucket's shape has state of that shape (the bucket's views). A bucketed parameter whose shape
+        changed and passes (its state was deleted) drops the group's layout, to be rebuilt around it."""
+        layout = self._layouts.get(id(group))
+        where_ = {} if layout is None else layout.where
+        for p, _ in pairs:
+            loc = where_.get(id(p))
+            if loc is None or loc[0].shapes[loc[1]] != p.shape:
+                self._check_state_shape(p, group, where)
+                if loc is not None:
+                    self._layouts.pop(id(group), None)
+
     def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
-        """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device."""
+        """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device.
+
+        Raises:
+            ValueError: the state was made for another shape of ``param`` (:meth:`_check_state_shape`).
+        """
+        self._check_state_shape(param, group)
         state = self.state[param]
         if not state or not self._state_fits(param, state, group):
             self._init_group_state(group, [param])
@@ -391,7 +429,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._layouts[id(group)] = layout
         for p in params:
             state = self.state.get(p)
-            if not state:
+            if not state or state["exp_avg"].shape != p.shape:  # none, or made for an old shape: its next use raises
                 continue
             if not self._state_fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
                 self._conform_state(p, state, group)  # new tensors: nothing keeps an old bucket alive
@@ -469,7 +507,7 @@ class _AdamBase(torch.optim.Optimizer):
                 rest.append((p, g))
                 if not state or not self._state_fits(p, state, group):
                     new.append(p)
-            elif _moved(p, loc):
+            elif _moved(p, loc, shape=False):  # shape changes: the step's validation dropped the layout
                 return None
             else:
                 if not state:
@@ -645,6 +683,7 @@ class _AdamBase(torch.optim.Optimizer):
                 matched += len(pairs)
             pairs = [pg for pg in pairs if pg[1] is not None]
             check_pairs(pairs, group["params"], where)
+            self._check_state_shapes(group, pairs, where)
             if self.capturable:
                 self._check_capturable(pairs, group, where)
             plan.append((group, lr, weight_decay, after, pairs))
@@ -668,9 +707,18 @@ class _AdamBase(torch.optim.Optimizer):
         return loss
 
     def _check_capturable(self, pairs: List[Tuple[Tensor, Tensor]], group: Dict[str, Any], where: str) -> None:
-        """ValueError for a parameter a capturable step cannot take: one outside the buckets (float64,
-        a DTensor, a half parameter without master weights, a frozen one) runs the reference path,
-        which reads its step count on the host."""
+        """ValueError for a parameter a capturable step cannot take: one on a device the Triton kernel
+        does not run on (the CPU, unless under Triton's interpreter), or one outside the buckets
+        (float64, a DTensor, a half parameter without master weights, a frozen one), which runs the
+        reference path, which reads its step count on the host."""
+        for device in {p.device for p, _ in pairs}:
+            reason = triton_unavailable(device)
+            if reason is not None:
+                k = next(i for i, q in enumerate(group["params"]) if q.device == device)
+                raise ValueError(
+                    f"capturable=True cannot step {where}['params'][{k}], a {device.type} tensor: a capturable step "
+                    f"runs the Triton kernel, which needs CUDA tensors ({reason}). Use capturable=True with the "
+                    f"model on a CUDA device; elsewhere leave it False (the default)")
         for p, _ in pairs:
             if bucket_key(p, self._use_master(p, group)) is None:
                 k = next(i for i, q in enumerate(group["params"]) if q is p)
@@ -725,9 +773,12 @@ def _peek(group: Dict[str, Any], key: str, step: int) -> Optional[float]:
         return None
 
 
-def _moved(param: Tensor, loc: Tuple[Bucket, int]) -> bool:
-    """Whether ``param`` changed dtype or device since it was placed in bucket ``loc[0]``."""
-    return param.dtype is not loc[0].dtype or param.device != loc[0].device
+def _moved(param: Tensor, loc: Tuple[Bucket, int], shape: bool = True) -> bool:
+    """Whether ``param`` changed dtype, device or (with ``shape``) shape since it was placed in bucket
+    ``loc[0]``."""
+    bucket, i = loc
+    return (param.dtype is not bucket.dtype or param.device != bucket.device
+            or (shape and param.shape != bucket.shapes[i]))
 
 
 def _converted_exactly(old_dtype: torch.dtype, p: Tensor) -> Tensor:

@@ -70,10 +70,13 @@ _TRUSTED_SCHEDULE_MODULES = ("halfadam.",)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: unreadable, corrupt, or not matching what it is loaded into.
+    """A checkpoint that cannot be loaded (unreadable, corrupt, or not matching what it is loaded into)
+    or written; public as ``halfadam.CheckpointError``.
 
-    Raised before anything is changed (the message names the object, the parameter index or key, and
-    what differs). A ``ValueError``, so code that catches torch's ``ValueError`` on load still does.
+    Raised with nothing changed (the message names the object, the parameter index or key, the file,
+    and what differs). A ``ValueError``, so code that catches torch's ``ValueError`` on load still
+    does; the DCP helpers of :mod:`halfadam.distributed` raise it with DCP's ``CheckpointException``
+    (a ``BaseException``, which ``except Exception`` misses) as its ``__cause__``.
     """
 
 
@@ -538,6 +541,9 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         optimizer.state.pop(p, None)
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
+        live = optimizer.state.get(p)
+        if live and "exp_avg" in live and live["exp_avg"].shape != p.shape:
+            optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
         state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
         target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
         if p.dtype == torch.float64 or (load.format == target and not load.rebuild_master):
@@ -609,10 +615,14 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     ``initial_lr``) are kept.
 
     Raises:
-        ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay).
+        ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay); a
+            parameter resized since its state was made (``p.data = ...`` of another shape).
     Warns:
         UserWarning: a group with ``optimized_update`` (torch adds eps after bias correction).
     """
+    for group in optimizer.param_groups:  # state made for another shape of its parameter: a ValueError
+        for p in group["params"]:
+            optimizer._check_state_shape(p, group)  # type: ignore[attr-defined]
     packed = torch.optim.Optimizer.state_dict(optimizer)
     halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
     groups = []

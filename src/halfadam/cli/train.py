@@ -32,7 +32,9 @@ Choices worth knowing when reading the numbers:
   shards instead of replicating (FSDP2, ``torch.distributed.fsdp.fully_shard``: one unit per
   transformer block and the root; parameters, gradients and optimizer state in every state mode
   sharded by rows over the processes; gradients summed as with DDP); the table's state bytes per
-  parameter are then the job's total, each process holding its shard.
+  parameter are then the job's total, each process holding its shard. Its ``--save``/``--resume``
+  go through DCP (:func:`halfadam.distributed.save_checkpoint`: one checksummed directory
+  ``DIR/<mode>.dcp`` per mode, every rank writing its shards).
 """
 
 from __future__ import annotations
@@ -173,13 +175,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--save", metavar="DIR",
-                        help="checkpoint each mode to DIR/<mode>.pt (atomically: a run killed mid-save keeps the "
-                             "previous checkpoint) at the end and every --save-every steps; DIR is created and "
-                             "checked for writing before training starts")
+                        help="checkpoint each mode to DIR/<mode>.pt (--dist fsdp: the DCP directory DIR/<mode>.dcp, "
+                             "with a SHA-256 manifest) atomically (a run killed mid-save keeps the previous "
+                             "checkpoint) at the end and every --save-every steps; DIR is created and checked for "
+                             "writing before training starts")
     parser.add_argument("--save-every", type=_positive_int, metavar="N",
                         help="with --save, also checkpoint every N steps (default: only at the end)")
     parser.add_argument("--resume", metavar="DIR",
-                        help="continue each mode from DIR/<mode>.pt, written by --save with the same options, "
+                        help="continue each mode from DIR/<mode>.pt (--dist fsdp: DIR/<mode>.dcp), written by "
+                             "--save with the same options, "
                              "except that a larger --steps extends the run (--eval-every and --warmup-steps may then "
                              "differ too) as long as the steps already taken keep their learning rates: always with "
                              "--lr-schedule constant; with cosine, whose decay spans --steps, only for a run stopped "
@@ -199,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with more than one process (--nproc N or torchrun; with one it changes nothing): "
                              "ddp (default) replicates the model (DistributedDataParallel); fsdp shards parameters, "
                              "gradients and optimizer state over the processes (FSDP2 fully_shard, every state "
-                             "mode; no --save/--resume or --peers)")
+                             "mode; no --peers; --save/--resume write and read DCP directories DIR/<mode>.dcp)")
 
 
 @dataclass
@@ -287,9 +291,6 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         peers=getattr(args, "peers", False),
         dist=getattr(args, "dist", "ddp"),
     )
-    if cfg.dist == "fsdp" and (cfg.save or cfg.resume):
-        raise CLIError(f"--dist fsdp runs without {'--save' if cfg.save else '--resume'}: checkpoints of sharded "
-                       f"runs go through torch.distributed.checkpoint (halfadam.distributed, see the README)")
     if cfg.dist == "fsdp" and (cfg.peers or any(name in PEER_MODES for name in cfg.modes)):
         raise CLIError("--dist fsdp runs without the peer modes: they run under --dist ddp")
     if args.save_every and not args.save:
@@ -399,24 +400,81 @@ def _run_identity(cfg: TrainConfig) -> dict:
 
 
 def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: dict) -> None:
-    """Write DIR/<mode>.pt: model, optimizer, scaler, options, RNG state and the curves so far (atomically)."""
-    from halfadam.checkpoint import save_checkpoint
+    """Write the mode's checkpoint: model, optimizer, scaler, options, RNG state and the curves so far.
 
-    objects = dict(model=model, optimizer=optimizer, config=_run_identity(cfg), history=history,
-                   rng=torch.get_rng_state())
-    if scaler is not None:
-        objects["scaler"] = scaler
+    ``--dist ddp``: DIR/<mode>.pt (rank 0; atomically, :func:`halfadam.checkpoint.save_checkpoint`).
+    ``--dist fsdp``: the DCP directory DIR/<mode>.dcp (every rank writes its shards,
+    :func:`halfadam.distributed.save_checkpoint`, with its SHA-256 manifest), written beside the old one
+    and swapped in once whole, so a save that dies half-way leaves the previous checkpoint.
+    """
+    from halfadam.checkpoint import CheckpointError, save_checkpoint
+
+    objects = dict(config=_run_identity(cfg), history=history, rng=torch.get_rng_state())
     if torch.device(cfg.device).type == "cuda":
         objects["cuda_rng"] = torch.cuda.get_rng_state(torch.device(cfg.device))
-    path = Path(cfg.save) / f"{mode.name}.pt"
+    path = _checkpoint_path(cfg, cfg.save, mode.name)
     try:
-        save_checkpoint(path, **objects)
+        if cfg.dist == "fsdp":
+            _save_sharded(path, model, optimizer,
+                          objects if scaler is None else dict(objects, scaler=scaler.state_dict()))
+        else:
+            save_checkpoint(path, model=model, optimizer=optimizer, **objects,
+                            **({} if scaler is None else {"scaler": scaler}))
+    except CheckpointError as exc:
+        raise CLIError(f"--save {cfg.save}: {exc}") from None
     except OSError as exc:
         raise CLIError(f"--save {cfg.save}: cannot write the checkpoint {path}: {exc.strerror or exc}") from None
 
 
+def _save_sharded(path: Path, model, optimizer, extra: dict) -> None:
+    """A DCP checkpoint at ``path``, written whole to ``path.tmp`` first (every rank) and then swapped in
+    (rank 0, between barriers)."""
+    import shutil
+
+    from halfadam.distributed import save_checkpoint as save_sharded
+
+    dist = torch.distributed
+    grouped = dist.is_available() and dist.is_initialized()
+    lead = not grouped or dist.get_rank() == 0
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if grouped:
+        dist.barrier()
+    save_sharded(tmp, model, optimizer, extra=extra)
+    if lead:
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    if grouped:
+        dist.barrier()
+
+
+def _checkpoint_path(cfg: TrainConfig, directory: str, name: str) -> Path:
+    """Where mode ``name``'s checkpoint is in ``directory``: <name>.pt (--dist ddp) or the DCP directory
+    <name>.dcp (--dist fsdp)."""
+    return Path(directory) / f"{name}.{'dcp' if cfg.dist == 'fsdp' else 'pt'}"
+
+
 def _resume_path(cfg: TrainConfig, name: str) -> Path:
-    return Path(cfg.resume) / f"{name}.pt"
+    return _checkpoint_path(cfg, cfg.resume, name)
+
+
+def _read_resume(cfg: TrainConfig, path: Path, **objects) -> dict:
+    """The entries of the checkpoint at ``path`` (``--dist fsdp``: a DCP directory's extra data), loaded
+    into ``objects`` (all or nothing) when given; CLIError for a bad file."""
+    from halfadam.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        if cfg.dist != "fsdp":
+            return load_checkpoint(path, **objects)
+        from halfadam.distributed import load_checkpoint as load_sharded
+
+        return load_sharded(path, objects.get("model"), objects.get("optimizer"))
+    except CheckpointError as exc:
+        raise CLIError(f"--resume: {exc}") from None
 
 
 def _check_resume(cfg: TrainConfig) -> list[str]:
@@ -426,22 +484,19 @@ def _check_resume(cfg: TrainConfig) -> list[str]:
     bad one is refused before any mode trains. Raises CLIError for that, or when no mode has a checkpoint
     (the wrong directory?).
     """
-    from halfadam.checkpoint import CheckpointError, load_checkpoint
-
     fresh = []
     for name in cfg.modes:
         path = _resume_path(cfg, name)
-        if not path.is_file():
+        if not path.exists():
             fresh.append(name)
             continue
-        try:
-            entries = load_checkpoint(path)  # read and verified; loaded into nothing
-        except CheckpointError as exc:
-            raise CLIError(f"--resume: {exc}") from None
-        _check_resumed_options(cfg, path, entries)
+        _check_resumed_options(cfg, path, _read_resume(cfg, path))  # read and verified; loaded into nothing
     if fresh == cfg.modes:
+        other = replace(cfg, dist="ddp" if cfg.dist == "fsdp" else "fsdp")
+        found = [str(_resume_path(other, name)) for name in cfg.modes if _resume_path(other, name).exists()]
+        hint = f" (--dist {other.dist} wrote {', '.join(found)}: resume it with --dist {other.dist})" if found else ""
         raise CLIError(f"--resume: no checkpoint at {_resume_path(cfg, '<mode>')} for any of --modes "
-                       f"{','.join(cfg.modes)}")
+                       f"{','.join(cfg.modes)}{hint}")
     return fresh
 
 
@@ -484,19 +539,18 @@ def _resume_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler) -> dict
     were checked by :func:`_check_resume` before training began; they are checked again here (a file
     replaced since then is refused too).
     """
-    from halfadam.checkpoint import CheckpointError, load_checkpoint
-
     path = _resume_path(cfg, mode.name)
-    if not path.is_file():
+    if not path.exists():
         return None
-    objects = dict(model=model, optimizer=optimizer)
-    if scaler is not None:
-        objects["scaler"] = scaler
-    try:
-        entries = load_checkpoint(path, **objects)
-    except CheckpointError as exc:
-        raise CLIError(f"--resume: {exc}") from None
-    _check_resumed_options(cfg, path, entries)  # the copies loaded into are dropped if it raises
+    if cfg.dist == "fsdp":  # the options first: a DCP load writes into the live model and optimizer
+        _check_resumed_options(cfg, path, _read_resume(cfg, path))
+        entries = _read_resume(cfg, path, model=model, optimizer=optimizer)
+        if scaler is not None and "scaler" in entries:
+            scaler.load_state_dict(entries["scaler"])
+    else:
+        objects = dict(model=model, optimizer=optimizer, **({"scaler": scaler} if scaler is not None else {}))
+        entries = _read_resume(cfg, path, **objects)
+        _check_resumed_options(cfg, path, entries)  # the copies loaded into are dropped if it raises
     torch.set_rng_state(entries["rng"])
     if "cuda_rng" in entries:
         torch.cuda.set_rng_state(entries["cuda_rng"], torch.device(cfg.device))
@@ -618,14 +672,14 @@ def train_mode(mode: Mode, base_model: torch.nn.Module, dataset, plan: torch.Ten
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_losses[-1]:.3f}")
         save_now = (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps
-        if cfg.save and rank == 0 and save_now:
+        if cfg.save and (rank == 0 or cfg.dist == "fsdp") and save_now:  # fsdp: every rank writes its shards
             _save_mode(cfg, mode, model, optimizer, scaler, history())
     bar.close()
     del net  # DDP sits in reference cycles; the next mode builds its own
     if diverged_at is not None and first_step < cfg.steps:  # diverged in this run (not a resumed one)
         if val_steps[-1] != diverged_at:
             record_val(diverged_at)
-        if cfg.save and rank == 0:
+        if cfg.save and (rank == 0 or cfg.dist == "fsdp"):
             _save_mode(cfg, mode, model, optimizer, scaler, history())
     elif diverged_at is None and not math.isfinite(val_losses[-1]):  # the last update broke the weights
         diverged_at = len(train_losses)
@@ -867,6 +921,9 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
             how = "DDP" if cfg.dist == "ddp" else "FSDP2: parameters, gradients and optimizer state sharded"
             print(f"  data-parallel: {world} processes ({how}, {backend}), {cfg.batch_size // world} per process "
                   f"per step")
+        elif cfg.dist == "fsdp":
+            print("  --dist fsdp in one process: nothing is sharded (start N processes with --nproc N or torchrun); "
+                  "checkpoints are DCP directories all the same")
         print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
               f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
         for line in skipped:
