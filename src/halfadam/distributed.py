@@ -485,7 +485,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
                                   f"{len(optimizer.param_groups)}")
         if opt is optimizer:
             staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, key, staging=True)
-        else:  # a torch.optim optimizer (or ZeRO's): its own layout, cloned
+        else:  # a torch.optim optimizer: its own layout, cloned
             staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
     if EXTRA_KEY in keys:
         staged[EXTRA_KEY] = io.BytesIO()
