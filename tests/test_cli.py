@@ -424,9 +424,10 @@ def test_nproc_2_fsdp_saves_and_resumes_through_dcp(tmp_path, capfd):
     (ck / "__1_0.distcp").write_bytes(bytes(data))
     capfd.readouterr()
     assert main(full_args + ["--out", str(tmp_path / "bad"), "--resume", str(tmp_path / "ck")]) == 2
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert f"halfadam train: error: --resume: cannot load the checkpoint {ck}" in err, err
     assert "__1_0.distcp: its SHA-256 differs" in err and "Traceback" not in err, err
+    assert "halfadam train: digits" not in out  # refused before the run began (its modes come first)
 
 
 def test_fsdp_in_one_process_says_so(tmp_path, capsys):

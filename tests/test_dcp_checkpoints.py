@@ -241,7 +241,7 @@ def test_masters_judged_as_in_one_process(saved, tmp_path):
     model = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 128)).to(torch.bfloat16)
     opt = halfadam.AdamW(model.parameters(), lr=1e-2, state_mode="compact", master_weights=False)
     before = snapshot(model, opt)
-    with pytest.raises(halfadam.CheckpointError, match="the checkpoint has a master weight"):
+    with pytest.raises(halfadam.CheckpointError, match="cannot load the checkpoint .*the checkpoint has a master weight"):
         hd.load_checkpoint(path, model, opt)
     assert same(snapshot(model, opt), before)
     hd.save_checkpoint(tmp_path / "plain", model, opt)  # no masters
@@ -253,20 +253,40 @@ def test_masters_judged_as_in_one_process(saved, tmp_path):
         assert torch.equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"].float())
 
 
-def test_torch_optimizers_load_the_dcp_way(tmp_path):
-    """A torch.optim optimizer (halfadam train's fp32 mode) saves and loads through the same helpers."""
-    torch.manual_seed(0)
-    model = nn.Linear(16, 4)
+def _torch_run(path, seed):
+    """A torch.optim.AdamW (halfadam train's fp32 mode) one step in, saved at ``path``; and a fresh one."""
+    torch.manual_seed(seed)
+    model, fresh = nn.Linear(16, 4), nn.Linear(16, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(3, 16)).sum().backward()
     opt.step()
-    hd.save_checkpoint(tmp_path / "t", model, opt)
-    torch.manual_seed(1)
-    model2 = nn.Linear(16, 4)
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    hd.save_checkpoint(path, model, opt)
+    return (model, opt), (fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+
+
+def test_torch_optimizers_load_the_dcp_way(tmp_path):
+    """Saved and loaded through the same helpers; a failed load leaves a fresh one without state (DCP
+    lays out a torch optimizer's state by a step of its own, which the failure takes away again)."""
+    (model, opt), (model2, opt2) = _torch_run(tmp_path / "t", 0)
     hd.load_checkpoint(tmp_path / "t", model2, opt2)
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+    _, (model3, opt3) = _torch_run(tmp_path / "u", 1)
+    _flip_bit(_data_file(tmp_path / "u"))
+    with pytest.raises(halfadam.CheckpointError, match="SHA-256 differs"):
+        hd.load_checkpoint(tmp_path / "u", model3, opt3)
+    assert not opt3.state
+
+
+def test_verify_checkpoint_reads_every_file(saved):
+    """An extra-only load reads the file that holds the extra data; verify_checkpoint checks them all."""
+    path, _, _ = saved
+    (path / "stray.distcp").write_bytes(b"x")  # not in the manifest, read by no load: ignored
+    hd.verify_checkpoint(path)
+    victim = _data_file(path)
+    _flip_bit(victim)
+    with pytest.raises(halfadam.CheckpointError, match=f"{victim}: its SHA-256 differs"):
+        hd.verify_checkpoint(path)
 
 
 def test_ctrl_c_inside_dcp_stays_a_keyboard_interrupt(saved, monkeypatch):
@@ -287,7 +307,7 @@ def test_extra_that_weights_only_cannot_read_is_refused_at_save(tmp_path):
     import argparse
 
     model, opt = make("fp32", schedule=False)
-    with pytest.raises(halfadam.CheckpointError, match="extra must hold plain data"):
+    with pytest.raises(halfadam.CheckpointError, match="extra must hold plain data .*argparse.Namespace"):
         hd.save_checkpoint(tmp_path / "x", model, opt, extra={"args": argparse.Namespace(a=1)})
     assert not (tmp_path / "x").exists()
 

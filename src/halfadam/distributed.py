@@ -66,6 +66,7 @@ __all__ = [
     "set_optimizer_state_dict",
     "save_checkpoint",
     "load_checkpoint",
+    "verify_checkpoint",
     "launch",
     "init_from_env",
 ]
@@ -424,8 +425,12 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
     if extra is not None and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
         blob = io.BytesIO()
         torch.save(extra, blob)
-        with _checkpoint_errors(f"{where}: extra must hold plain data that torch.load(weights_only=True) reads"):
+        try:
             torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+        except Exception as exc:
+            found = [line.strip() for line in str(exc).splitlines() if "Unsupported global" in line]
+            raise CheckpointError(f"{where}: extra must hold plain data that torch.load(weights_only=True) reads "
+                                  f"(numbers, strings, lists, dicts, tensors): {found[0] if found else exc}") from exc
         blob.seek(0)
         state[EXTRA_KEY] = blob
     with _checkpoint_errors(where), _quiet_dcp():
@@ -471,11 +476,6 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     with _checkpoint_errors(where):
         reader = ChecksummedReader(str(checkpoint_id))
         keys = reader.read_metadata().state_dict_metadata  # checked first, on every rank
-    staged: Dict[str, Any] = {}
-    if model is not None:
-        live = dcp_sd.get_model_state_dict(model, options=options)
-        staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
-    opt = halfadam_optimizer(optimizer)
     if optimizer is not None:
         if model is None:
             raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
@@ -483,33 +483,62 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         if groups and groups != len(optimizer.param_groups):
             raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
                                   f"{len(optimizer.param_groups)}")
-        if opt is optimizer:
+    # parameters without state: DCP's layout of a torch optimizer, and halfadam's load, make it; a
+    # failure takes it away again
+    fresh = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]
+                                          if not optimizer.state.get(p)]
+    backup = None
+    try:
+        staged: Dict[str, Any] = {}
+        if model is not None:
+            live = dcp_sd.get_model_state_dict(model, options=options)
+            staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
+        if optimizer is not None and halfadam_optimizer(optimizer) is optimizer:
             staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, key, staging=True)
-        else:  # a torch.optim optimizer: its own layout, cloned
+        elif optimizer is not None:  # a torch.optim optimizer: its own layout, cloned
             staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
-    if EXTRA_KEY in keys:
-        staged[EXTRA_KEY] = io.BytesIO()
-    if staged:
-        with _checkpoint_errors(where, unchecked=reader.manifest is None), _quiet_dcp():
-            dcp.load(staged, storage_reader=reader)
-    extra: Dict[str, Any] = {}
-    if EXTRA_KEY in staged:
-        with _checkpoint_errors(f"{where}: its extra data"):
-            extra = torch.load(io.BytesIO(staged[EXTRA_KEY].getvalue()), weights_only=True)
-    if model is None:
-        return extra
-    backup = {k: v.detach().clone() for k, v in live.items() if isinstance(v, Tensor)} if optimizer is not None else None
-    dcp_sd.set_model_state_dict(model, staged[model_key], options=options)
-    if optimizer is not None:
-        fresh = [] if opt is None else [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)]
-        try:
-            set_optimizer_state_dict(model, optimizer, staged[key], options=options)
-        except BaseException:
+        if EXTRA_KEY in keys:
+            staged[EXTRA_KEY] = io.BytesIO()
+        if staged:
+            with _checkpoint_errors(where, unchecked=reader.manifest is None), _quiet_dcp():
+                dcp.load(staged, storage_reader=reader)
+        extra: Dict[str, Any] = {}
+        if EXTRA_KEY in staged:
+            with _checkpoint_errors(f"{where}: its extra data"):
+                extra = torch.load(io.BytesIO(staged[EXTRA_KEY].getvalue()), weights_only=True)
+        if model is not None:
+            if optimizer is not None:
+                backup = {k: v.detach().clone() for k, v in live.items() if isinstance(v, Tensor)}
+            dcp_sd.set_model_state_dict(model, staged[model_key], options=options)
+        if optimizer is not None:
+            with _checkpoint_errors(where):
+                set_optimizer_state_dict(model, optimizer, staged[key], options=options)
+    except BaseException:
+        if backup is not None:
             dcp_sd.set_model_state_dict(model, backup, options=options)
-            for p in fresh:  # the state init_state made for the load
-                opt.state.pop(p, None)
-            raise
+        for p in fresh:
+            optimizer.state.pop(p, None)
+        raise
     return extra
+
+
+def verify_checkpoint(checkpoint_id: Any) -> None:
+    """Check every file of the DCP checkpoint ``checkpoint_id`` against its SHA-256 manifest (all of
+    them: a load checks only the files it reads), without loading anything. A checkpoint without a
+    manifest passes unchecked.
+
+    Raises:
+        CheckpointError: a file is missing, corrupt, truncated or not in the manifest (named); the
+            manifest does not list ``.metadata``.
+    """
+    from ._dcp_io import ChecksummedReader
+
+    with _checkpoint_errors(f"cannot load the checkpoint {checkpoint_id}"):
+        reader = ChecksummedReader(str(checkpoint_id))
+        if reader.manifest is not None:
+            if ".metadata" not in reader.manifest:
+                raise CheckpointError(f"{checkpoint_id}: its manifest does not list .metadata")
+            reader.check(reader.manifest)
 
 
 def _cloned(tree: Any) -> Any:

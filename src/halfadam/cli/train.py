@@ -200,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cuda, one GPU per process): torchrun --standalone --nproc-per-node N -m halfadam "
                              "train ... (without --nproc)")
     parser.add_argument("--dist", choices=("ddp", "fsdp"), default="ddp",
-                        help="with more than one process (--nproc N or torchrun; with one it changes nothing): "
+                        help="with more than one process (--nproc N or torchrun; with one it changes only the "
+                             "checkpoints' format): "
                              "ddp (default) replicates the model (DistributedDataParallel); fsdp shards parameters, "
                              "gradients and optimizer state over the processes (FSDP2 fully_shard, every state "
                              "mode; no --peers; --save/--resume write and read DCP directories DIR/<mode>.dcp)")
@@ -471,7 +472,10 @@ def _read_resume(cfg: TrainConfig, path: Path, **objects) -> dict:
         if cfg.dist != "fsdp":
             return load_checkpoint(path, **objects)
         from halfadam.distributed import load_checkpoint as load_sharded
+        from halfadam.distributed import verify_checkpoint
 
+        if not objects:
+            verify_checkpoint(path)  # every file, not only those the extra data lies in
         return load_sharded(path, objects.get("model"), objects.get("optimizer"))
     except CheckpointError as exc:
         raise CLIError(f"--resume: {exc}") from None
