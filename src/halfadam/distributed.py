@@ -257,17 +257,20 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
         if halfadam_optimizer(optimizer) is not None:
             init_state(optimizer)
         return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
-    return _checkpoint_layout(model, optimizer, options, checkpoint_id, key)
+    from ._dcp_io import ChecksummedReader
+
+    saved_keys = ChecksummedReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    return _checkpoint_layout(model, optimizer, options, checkpoint_id, saved_keys, key)
 
 
-def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, checkpoint_id: Any, key: str,
-                       staging: bool = False) -> Dict[str, Any]:
-    """:func:`get_optimizer_state_dict` with ``checkpoint_id``; ``staging``: its state tensors are new
-    ones even in ``optimizer``'s own mode (a temporary optimizer's), so ``dcp.load`` writes nothing of
-    ``optimizer``'s."""
+def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, checkpoint_id: Any, saved_keys: Any,
+                       key: str, staging: bool = False) -> Dict[str, Any]:
+    """:func:`get_optimizer_state_dict` with ``checkpoint_id`` (``saved_keys``: its metadata's keys);
+    ``staging``: its state tensors are new ones even in ``optimizer``'s own mode (a temporary
+    optimizer's), so ``dcp.load`` writes nothing of ``optimizer``'s."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    layout, saved_keys = _layout_of(optimizer, checkpoint_id, key, staging)
+    layout = _layout_of(optimizer, checkpoint_id, saved_keys, key, staging)
     init_state(layout)
     osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
     osd["param_groups"] = _saved_groups(saved_keys, key)
@@ -300,19 +303,16 @@ def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -
                 st[field] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
 
 
-def _layout_of(optimizer: Any, checkpoint_id: Any, key: str, staging: bool = False) -> Tuple[Any, Any]:
-    """``(optimizer, keys)``, or a temporary one of its class and groups whose state format is that of
-    the optimizer state saved under ``key`` in the DCP checkpoint ``checkpoint_id`` (read off its keys
-    and dtypes: the most encoded field of any parameter; each parameter's own follows from its shape),
-    and the checkpoint's metadata keys. ``staging``: a temporary one even when the formats agree (its
-    state tensors are new ones to load into). Raises CheckpointError when nothing is saved under
-    ``key``."""
-    from ._dcp_io import ChecksummedReader
-
+def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, staging: bool = False) -> Any:
+    """``optimizer``, or a temporary one of its class and groups whose state format is that of the
+    optimizer state saved under ``key`` in the DCP checkpoint ``checkpoint_id`` (``saved_keys``: its
+    metadata's keys; the format is read off their names and dtypes: the most encoded field of any
+    parameter; each parameter's own follows from its shape). ``staging``: a temporary one even when
+    the formats agree (its state tensors are new ones to load into). Raises CheckpointError when
+    nothing is saved under ``key``."""
     opt = halfadam_optimizer(optimizer)
     if opt is None or opt is not optimizer:
         raise TypeError(f"checkpoint_id needs a halfadam optimizer, got {type(optimizer).__name__}")
-    saved_keys = ChecksummedReader(str(checkpoint_id)).read_metadata().state_dict_metadata
     if not any(name.startswith(f"{key}.") for name in saved_keys):
         tops = sorted({name.split(".", 1)[0] for name in saved_keys})
         raise CheckpointError(f"the checkpoint {checkpoint_id} has no optimizer state under key={key!r}: its "
@@ -321,10 +321,10 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, key: str, staging: bool = Fal
     saved = {name: meta for name, meta in saved_keys.items() if name.startswith(prefix)}
     fmt = _saved_format(saved) if saved else opt.state_format
     if fmt == opt.state_format and not staging:
-        return opt, saved_keys
+        return opt
     groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
     return type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
-                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq), saved_keys
+                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
 
 
 def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
@@ -494,7 +494,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
             live = dcp_sd.get_model_state_dict(model, options=options)
             staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
         if optimizer is not None and halfadam_optimizer(optimizer) is optimizer:
-            staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, key, staging=True)
+            staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, keys, key, staging=True)
         elif optimizer is not None:  # a torch.optim optimizer: its own layout, cloned
             staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
         if EXTRA_KEY in keys:

@@ -329,14 +329,19 @@ class _AdamBase(torch.optim.Optimizer):
             state["master_weight"] = master if master is not None else param.detach().to(compute, copy=True)
         self._dtypes[id(param)] = param.dtype
 
-    def _check_state_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
-        """ValueError when ``param``'s state was made for another shape (``p.data = torch.randn(...)``
-        of a new size between steps): it does not fit the parameter, and no rule makes it fit."""
+    def _stale_shape(self, param: Tensor) -> Optional[Tuple[int, ...]]:
+        """The shape ``param``'s state was made for, when it is not ``param``'s own (it was resized
+        since: ``p.data = torch.randn(...)`` of a new size between steps); else ``None``."""
         state = self.state.get(param)
         exp_avg = state.get("exp_avg") if state else None
-        if exp_avg is None or exp_avg.shape == param.shape:
+        return None if exp_avg is None or exp_avg.shape == param.shape else tuple(exp_avg.shape)
+
+    def _check_state_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
+        """ValueError when ``param``'s state was made for another shape (:meth:`_stale_shape`): it does
+        not fit the parameter, and no rule makes it fit."""
+        made = self._stale_shape(param)
+        if made is None:
             return
-        made = tuple(exp_avg.shape)
         if where is None:
             where = f"param_groups[{next(i for i, g in enumerate(self.param_groups) if g is group)}]"
         k = next(i for i, q in enumerate(group["params"]) if q is param)
@@ -429,7 +434,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._layouts[id(group)] = layout
         for p in params:
             state = self.state.get(p)
-            if not state or state["exp_avg"].shape != p.shape:  # none, or made for an old shape: its next use raises
+            if not state or self._stale_shape(p) is not None:  # none, or made for an old shape: its next use raises
                 continue
             if not self._state_fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
                 self._conform_state(p, state, group)  # new tensors: nothing keeps an old bucket alive

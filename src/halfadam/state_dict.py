@@ -541,8 +541,7 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         optimizer.state.pop(p, None)
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
-        live = optimizer.state.get(p)
-        if live and "exp_avg" in live and live["exp_avg"].shape != p.shape:
+        if optimizer._stale_shape(p) is not None:  # type: ignore[attr-defined]
             optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
         state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
         target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
