@@ -57,14 +57,14 @@ def main() -> None:
             stored["master_weight"].copy_(param)
         kwargs = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay="decoupled",
                       optimized_update=False)
-        seed, tables = E.random_seed(fmt, 3, device), E.tables(fmt, device)
+        seed = E.random_seed(fmt, 3, device)
         if args.impl == "cpp":
             kernel, floats = cpu_kernel.load(), [float(c) for c in coefficients]
-            runs[name] = (lambda stored=stored, grad=grad, param=param, tables=tables:
-                          kernel.adam_step([param], [grad], stored, [0], floats, None, False, False, 3, tables or (), []))
+            runs[name] = (lambda stored=stored, grad=grad, param=param:
+                          kernel.adam_step([param], [grad], stored, [0], floats, None, False, False, 3, []))
         else:
-            runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, tables=tables, kwargs=kwargs:
-                          X._run_kernel("fused", stored, grad, param, coefficients, seed, tables, None, **kwargs))
+            runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, kwargs=kwargs:
+                          X._run_kernel("fused", stored, grad, param, coefficients, seed, None, **kwargs))
         runs[name]()  # compile
     weight = torch.nn.Parameter(torch.randn(n) * 0.02)
     weight.grad = torch.randn(n) * 1e-3

@@ -1,25 +1,31 @@
 """Compile the Triton kernel for an NVIDIA GPU without one: every variant the optimizer launches, down
 to PTX and a cubin for ``--arch`` (default 90: H100/H200), and check the arithmetic the bitwise claim
 rests on: IEEE divisions and square roots (``div.rn.f32``, ``sqrt.rn.f32``; no ``div.full``/``approx``),
-and no fused multiply-add outside the uint8 ``exp_avg_sq`` encoder's log2 estimate (which only picks
-candidates that exact comparisons then decide).
+and no fused multiply-add but the four per element of the division by ``sqrt(1 - beta2**t)`` (two
+Markstein correction steps, ``kernels/triton.py``'s ``_div_by_coefficient``; none with
+``optimized_update``, which has no such division).
 
     python benchmarks/triton_compile_check.py [--arch 90]
 
 Prints one line per variant and exits 1 if one fails to compile or breaks a check. Needs the triton
-package (its bundled ptxas), not a GPU; ``tests/test_triton.py`` runs it.
+package (its bundled ptxas), not a GPU; ``tests/test_triton.py`` runs it. The compiler is told what
+Triton's launcher tells it (every tensor argument 16-byte aligned) and takes the launch's options
+(``num_warps``, no fp fusion).
 
-Each line also gives the variant's speed, judged statically: the cubin's SASS instructions (counted in
-the listing of triton's bundled ``nvdisasm``) per element (the kernel has no loops, and each of a
-program's ``num_warps * 32`` threads holds ``NB * BLOCK / (num_warps * 32)`` elements), the bytes
-it moves per element, and the H200 time per element each implies: bytes over :data:`HBM_BYTES_PER_S`
-against instructions over :data:`LANE_INSTRUCTIONS_PER_S`. The larger bounds the step; ``issue/mem``
-above 1 means compute-bound. A variant's name gives its parameter and gradient dtypes, ``master``
-(0: none, a float32 parameter; 1: fp32 master; 2: split master), the ``m``/``v`` moment encodings and
-its switches (``l2``: Adam's L2 decay, ``scale``: a gradient scale, ``per-tensor``: per-tensor step
-counts, ``state-in-table``: FSDP2 shards' own state). The closing summary gives the four state modes'
-counts for bf16 parameters with float32 gradients (GradScaler's) against a target per mode: the
-low-memory-state issue's (2026-12-01; ``over`` marks a miss, which fails nothing here).
+Each line also gives the variant's speed, judged statically: the SASS instructions (counted in the
+listing of triton's bundled ``nvdisasm``) a program executes per element, its loop (over the tiles of
+its :data:`~halfadam.kernels.triton.CHUNK` elements) counted once per tile of a whole program, the
+rest once (the setup, and the divisions' slow paths: never executed on ordinary values, but in the
+listing), over the ``CHUNK / (num_warps * 32)`` elements of each thread; the bytes it moves per
+element, and the H200 time per element each implies: bytes over :data:`HBM_BYTES_PER_S` against
+instructions over :data:`LANE_INSTRUCTIONS_PER_S`. The larger bounds the step; ``issue/mem`` above 1
+means compute-bound. A variant's name gives its parameter and gradient dtypes, ``master`` (0: none, a
+float32 parameter; 1: fp32 master; 2: split master), the ``m``/``v`` moment encodings and its
+switches (``l2``: Adam's L2 decay, ``scale``: a gradient scale, ``per-tensor``: per-tensor step
+counts, ``state-in-table``: FSDP2 shards' own state, ``aligned``: 16-byte loads and stores, the
+launches of nearly every model). The closing summary gives the four state modes' counts for bf16
+parameters with float32 gradients (GradScaler's) against a target per mode: the low-memory-state
+issue's (2026-12-01; ``over`` marks a miss, which fails nothing here).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Tuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the interpreter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -49,25 +56,22 @@ _SIZE = {tl.float32: 4, tl.float16: 2, tl.bfloat16: 2}
 #: 1.98 GHz boost; one warp instruction per scheduler per cycle)
 HBM_BYTES_PER_S = 4.8e12
 LANE_INSTRUCTIONS_PER_S = 132 * 4 * 32 * 1.98e9
-#: the kernel's launch shape: Triton's default num_warps
-NUM_WARPS = 4
 
 
 def bytes_per_element(const: dict) -> float:
     """Bytes one element's update reads and writes: parameter (read, write), gradient (read), master
     (fp32: 4 + 4; split: the remainder's two bytes, both ways, and a tie byte per block), moments (fp32
-    4 + 4, bf16 2 + 2, uint8 1 + 1 and a float32 absmax per block, both ways)."""
+    4 + 4, bf16 2 + 2, uint8 1 + 1 and a scale byte per block, both ways)."""
     block = kernel.BLOCK
     total = 2 * _SIZE[const["P_DTYPE"]] + _SIZE[const["G_DTYPE"]]
     total += {0: 0.0, 1: 8.0, 2: 4.0 + 2.0 / block}[const["MASTER"]]
     for kind in (const["M_KIND"], const["V_KIND"]):
-        total += {0: 8.0, 1: 4.0, 2: 2.0 + 8.0 / block}[kind]
+        total += {0: 8.0, 1: 4.0, 2: 2.0 + 2.0 / block}[kind]
     return total
 
 
-def sass_instructions(cubin: bytes) -> int:
-    """Instructions in ``cubin``'s SASS listing (triton's bundled ``nvdisasm``; NOPs of the padding not
-    counted)."""
+def sass_listing(cubin: bytes) -> str:
+    """``cubin``'s SASS listing (triton's bundled ``nvdisasm``)."""
     import subprocess
     import tempfile
 
@@ -75,20 +79,56 @@ def sass_instructions(cubin: bytes) -> int:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        listing = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return sum(1 for line in listing.splitlines()
-               if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line) and not re.search(r"\bNOP\b", line))
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_instructions(cubin: bytes) -> Tuple[int, int]:
+    """Instructions in ``cubin``'s SASS listing (NOPs of the padding not counted): all of them, and those
+    of its loop (the tiles' loop: the instructions from a backward branch's target to the branch; the
+    trap after EXIT, a branch to itself, aside). Raises if there is more than one loop."""
+    instructions, labels = [], {}
+    for line in sass_listing(cubin).splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line) and not re.search(r"\bNOP\b", line):
+            instructions.append(line)
+    loops = []
+    for i, line in enumerate(instructions):
+        target = re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            loops.append(i + 1 - labels[target.group(1)])
+    if len(loops) > 1:
+        raise RuntimeError(f"{len(loops)} loops in the SASS; the count assumes at most one (the tiles')")
+    return len(instructions), (loops[0] if loops else 0)
 
 
 def signature(m_kind: int, v_kind: int) -> dict:
     sig = {"work_ptr": "*i64", "table_ptr": "*i64", "scalars_ptr": "*i32", "grad_scale_ptr": "*fp32",
            "found_inf_ptr": "*fp32", "master_ptr": "*fp32", "hi_ptr": "*i8", "lo_ptr": "*u8", "tie_ptr": "*u8",
-           "m_ptr": "*" + _MOMENT[m_kind], "v_ptr": "*" + _MOMENT[v_kind], "m_absmax_ptr": "*fp32",
-           "v_absmax_ptr": "*fp32", "dyn_ptr": "*fp32", "decades_ptr": "*fp32", "levels_ptr": "*fp32"}
+           "m_ptr": "*" + _MOMENT[m_kind], "v_ptr": "*" + _MOMENT[v_kind], "m_scale_ptr": "*u8",
+           "v_scale_ptr": "*u8"}
     for name in ("P_DTYPE", "G_DTYPE", "MASTER", "M_KIND", "V_KIND", "L2", "OPTIMIZED", "HAS_SCALE", "HAS_FOUND_INF",
-                 "SCALARS_STRIDE", "STATE_IN_TABLE", "NB", "BLOCK_"):
+                 "SCALARS_STRIDE", "STATE_IN_TABLE", "ALIGNED", "CVT", "NB", "BLOCK_", "CHUNK_"):
         sig[name] = "constexpr"
     return sig
+
+
+def attributes(sig: dict) -> dict:
+    """What Triton's launcher tells the compiler about the arguments: every tensor (a pointer) is 16-byte
+    aligned (torch allocates so; the launcher specializes on it)."""
+    names = list(kernel._adam_kernel.arg_names)
+    return {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+
+
+def compile_variant(const: dict, arch: int = 90):
+    """The compiled kernel of one variant (``const``: its constexprs but the launch shape's and CVT), for
+    ``sm_{arch}``."""
+    const = dict(const, CVT=True, NB=kernel.BLOCKS_PER_TILE, BLOCK_=kernel.BLOCK, CHUNK_=kernel.CHUNK)
+    sig = signature(const["M_KIND"], const["V_KIND"])
+    src = ASTSource(fn=kernel._adam_kernel, signature=sig, constexprs=const, attrs=attributes(sig))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"enable_fp_fusion": False, "num_warps": kernel.NUM_WARPS})
 
 
 def variants():
@@ -97,12 +137,16 @@ def variants():
         if (pdt == tl.float32) != (master == 0):
             continue  # float32 parameters have no master; half ones in buckets always have one
         yield dict(P_DTYPE=pdt, G_DTYPE=tl.float32, MASTER=master, M_KIND=mk, V_KIND=vk, L2=False, OPTIMIZED=False,
-                   HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False)
+                   HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False, ALIGNED=True)
     base = dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2)
     yield dict(base, L2=True, OPTIMIZED=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10,
-               STATE_IN_TABLE=False)
+               STATE_IN_TABLE=False, ALIGNED=True)
     yield dict(base, MASTER=1, M_KIND=1, V_KIND=1, L2=False, OPTIMIZED=False, HAS_SCALE=True, HAS_FOUND_INF=False,
-               SCALARS_STRIDE=0, STATE_IN_TABLE=True)
+               SCALARS_STRIDE=0, STATE_IN_TABLE=True, ALIGNED=True)
+    for master, kinds in ((1, 0), (2, 2)):  # a launch with a tensor of a size or address not a multiple of 8 / 16 B
+        yield dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, MASTER=master, M_KIND=kinds, V_KIND=kinds, L2=False,
+                   OPTIMIZED=False, HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False,
+                   ALIGNED=False)
 
 
 #: The state modes' variants for bf16 parameters (float32 gradients, as GradScaler hands them over) and
@@ -111,20 +155,16 @@ MODES = {"fp32": ((1, 0, 0), 130), "split": ((2, 0, 0), 150), "bf16": ((2, 1, 1)
 
 
 def check(arch: int) -> int:
-    target = GPUTarget("cuda", arch, 32)
     failures = 0
     per_mode = {}
     for const in variants():
-        const = dict(const, NB=kernel.BLOCKS_PER_PROGRAM, BLOCK_=kernel.BLOCK)
         name = (f"{_DTYPES[const['P_DTYPE']]} grad={_DTYPES[const['G_DTYPE']]} master={const['MASTER']} "
                 f"m={_MOMENT[const['M_KIND']]} "
                 f"v={_MOMENT[const['V_KIND']]} l2={const['L2']} scale={const['HAS_SCALE']} "
                 f"found_inf={const['HAS_FOUND_INF']} per-tensor={const['SCALARS_STRIDE'] > 0} "
-                f"state-in-table={const['STATE_IN_TABLE']}")
+                f"state-in-table={const['STATE_IN_TABLE']} aligned={const['ALIGNED']}")
         try:
-            src = ASTSource(fn=kernel._adam_kernel, signature=signature(const["M_KIND"], const["V_KIND"]),
-                            constexprs=const)
-            out = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+            out = compile_variant(const, arch)
         except Exception as exc:
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}")
             failures += 1
@@ -132,22 +172,27 @@ def check(arch: int) -> int:
         ptx = out.asm["ptx"]
         approx = len(re.findall(r"\b(div\.full|div\.approx|sqrt\.approx|rsqrt)", ptx))
         fma = len(re.findall(r"\bfma\.\S*f32", ptx))
-        bad = approx or (fma and const["V_KIND"] != 2) or not out.asm.get("cubin")
+        # the only fused multiply-adds: the division by sqrt(1 - beta2**t)'s two Markstein steps, 4 per element
+        # of a tile (kernels/triton.py: _div_by_coefficient)
+        fma_expected = 0 if const["OPTIMIZED"] else 4 * kernel.TILE // (kernel.NUM_WARPS * 32)
+        bad = approx or fma != fma_expected or not out.asm.get("cubin")
         failures += bool(bad)
         speed = ""
         if out.asm.get("cubin"):
-            per_thread = const["NB"] * const["BLOCK_"] / (NUM_WARPS * 32)
-            per_element = sass_instructions(out.asm["cubin"]) / per_thread
+            total, loop = sass_instructions(out.asm["cubin"])
+            tiles = kernel.CHUNK // kernel.TILE  # a whole program's: its loop runs once per tile
+            per_element = (total - loop + tiles * loop) / (kernel.CHUNK / (kernel.NUM_WARPS * 32))
             moved = bytes_per_element(const)
             mem_ns, issue_ns = moved / HBM_BYTES_PER_S * 1e9, per_element / LANE_INSTRUCTIONS_PER_S * 1e9
             speed = (f"; SASS {per_element:.0f} instr/element, {moved:.2f} B/element; H200 per 1M elements: "
                      f"memory {mem_ns * 1e3:.2f} us, issue {issue_ns * 1e3:.2f} us (issue/mem {issue_ns / mem_ns:.2f})")
-            plain = not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"])
+            plain = not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"]) and const["ALIGNED"]
             for mode, (kinds, budget) in MODES.items():
                 if plain and const["P_DTYPE"] == tl.bfloat16 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
                     per_mode[mode] = (per_element, budget, issue_ns / mem_ns)
         print(f"{'FAIL' if bad else 'ok  '} {name}: div.rn {ptx.count('div.rn.f32')}, sqrt.rn {ptx.count('sqrt.rn.f32')}, "
-              f"approximate {approx}, fma {fma}, cubin {len(out.asm.get('cubin', b''))} B{speed}")
+              f"approximate {approx}, fma {fma} (expected {fma_expected}), cubin {len(out.asm.get('cubin', b''))} B"
+              f"{speed}")
     print(f"state modes, bf16 parameters, fp32 gradients, sm_{arch}: SASS instructions per element (target), "
           f"issue/memory time on an H200:")
     for mode, (per_element, budget, ratio) in per_mode.items():

@@ -24,7 +24,7 @@ def test_bench_json_rows(capsys):
     # state bytes per parameter (20,480 elements in 4 tensors of 40 rows of 128: a block per row)
     assert state[("torch fused", "fp32", None)]["state_bytes_per_param"] == 8 + 4 * 4 / 20480  # + the 0-d steps
     assert state[("halfadam foreach", "fp16", "fp32")]["state_bytes_per_param"] == 12 + 4 * 4 / 20480
-    compact = (2 + 1 + 1) + (1 + 4 + 4) / 128 + 4 * 4 / 20480  # remainder, codes; tie byte and absmaxes per block
+    compact = (2 + 1 + 1) + (1 + 1 + 1) / 128 + 4 * 4 / 20480  # remainder, codes; tie byte and scales per block
     assert state[("halfadam foreach", "fp16", "compact")]["state_bytes_per_param"] == pytest.approx(compact)
     assert state[("halfadam foreach", "fp32", "compact")]["vs_fp32_state"] > 0
     assert state[("halfadam foreach", "fp16", "fp32")]["vs_fp32_state"] == 1.0
@@ -165,7 +165,7 @@ def test_sizes_become_matrices_of_whole_blocks(capsys):
             "128-element blocks)") in captured.err
     rows = {r.get("state"): r for r in json.loads(captured.out) if r["impl"] == "halfadam foreach"}
     assert {r["numel"] for r in rows.values()} == {10_240}
-    compact = (2 + 1 + 1) + (1 + 4 + 4) / 128 + 4 * 4 / 10_240  # as in test_bench_json_rows
+    compact = (2 + 1 + 1) + (1 + 1 + 1) / 128 + 4 * 4 / 10_240  # as in test_bench_json_rows
     assert rows["compact"]["state_bytes_per_param"] == pytest.approx(compact)
 
 

@@ -600,7 +600,7 @@ def test_state_modes_ddp_zero_fsdp(runs):
     for r in result(runs, "state_modes"):
         assert r["replicas_equal"]
         assert r["zero_equal_ddp"]  # each ZeRO rank encodes its own shard's state exactly as DDP does
-        assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax",
+        assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale",
                                        "master_hi", "master_lo", "master_tie", "step"]
         assert r["fsdp_equal_unsharded"] and r["fsdp_equal_unsharded_state"]
         # the [16, 128] weight keeps uint8 moments; the biases and the [3, 16] weight (rows of 16) float32 ones

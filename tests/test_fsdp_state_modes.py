@@ -2,7 +2,7 @@
 
 The same gradients are fed to one unsharded optimizer in this process and to FSDP2 (``fully_shard``)
 models on 1, 2 and 4 gloo ranks (:func:`halfadam.distributed.launch`); every parameter, master and
-encoded state tensor (codes, absmaxes, split remainders and tie bytes), gathered, must be bitwise the
+encoded state tensor (codes, scales, split remainders and tie bytes), gathered, must be bitwise the
 unsharded one. The model's shapes cover rows of 1, 2 and 3 blocks, row counts that do not divide by
 the world size (4 ranks over 3 rows: an empty shard) and parameters whose rows are not whole blocks
 (1-D biases, rows of 9), which keep float32 fields (``halfadam.encodings.for_param``). DCP checkpoints
@@ -278,9 +278,9 @@ def test_sharded_state_is_bitwise_the_unsharded_one(runs, case):
     expected = runs[1][case]
     mode, dtype = case
     if mode == "compact" and dtype != "fp32":  # the per-block state really is there, and sharded with its rows
-        assert {"0.weight.exp_avg_sq_absmax", "0.weight.master_tie", "4.weight.exp_avg_absmax",
+        assert {"0.weight.exp_avg_sq_scale", "0.weight.master_tie", "4.weight.exp_avg_scale",
                 "0.bias.master_weight", "2.weight.master_weight", "2.weight.exp_avg"} <= set(expected)
-        assert tuple(expected["0.weight.exp_avg_absmax"].shape) == (9, 3)
+        assert tuple(expected["0.weight.exp_avg_scale"].shape) == (9, 3)
         assert expected["2.weight.exp_avg"].dtype == torch.float32  # rows of 9: float32 fields
     for world in (1, 2, 4):
         assert same(_result(runs, world, case)["state"], expected), f"{world} ranks"

@@ -38,6 +38,6 @@ def test_bytes_are_the_optimizers_layout():
     opt.step()
     stored = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
     assert state_bytes.state_bytes(shapes, "compact")[0] == pytest.approx(stored / sum(p.numel() for p in params))
-    # rows of whole blocks: remainder 2 + codes 1 + 1, a tie byte and two float32 absmaxes per block
-    assert state_bytes.state_bytes([(3, 256)], "compact") == (pytest.approx(4 + 9 / 128 + 4 / 768), 0.0)
+    # rows of whole blocks: remainder 2 + codes 1 + 1, a tie byte and two uint8 scales per block
+    assert state_bytes.state_bytes([(3, 256)], "compact") == (pytest.approx(4 + 3 / 128 + 4 / 768), 0.0)
     assert state_bytes.state_bytes(shapes, "compact")[1] == pytest.approx(41 / 809)  # (5,) and (4, 9) fall back

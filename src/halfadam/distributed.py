@@ -323,8 +323,10 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
     if fmt == opt.state_format and not staging:
         return opt
     groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
-    return type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
-                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
+    layout = type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
+                       exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
+    layout.state_format = fmt  # the codes of 2026-12-01 (fmt.legacy): only loaded into, then converted
+    return layout
 
 
 def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
@@ -353,13 +355,14 @@ def _saved_format(saved: Dict[str, Any]) -> Any:
     fields = {name.rsplit(".", 1)[-1] for name in saved}
 
     def moment(name: str) -> torch.dtype:
-        if f"{name}_absmax" in fields:
+        if f"{name}_scale" in fields or f"{name}_absmax" in fields:
             return torch.uint8
         dtypes = {getattr(getattr(meta, "properties", None), "dtype", None) for key_, meta in saved.items()
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    return StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"))
+    return StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"),
+                       legacy=any(f"{name}_absmax" in fields for name in ("exp_avg", "exp_avg_sq")))
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,

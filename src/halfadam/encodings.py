@@ -17,13 +17,15 @@ master weight      ``"split"``: ``master_hi`` (int8),   2 + 1/128          bf16:
                    per block)
 exp_avg            ``float32``: ``exp_avg``             4                  yes
 exp_avg            ``bfloat16``                         2                  no: stochastic rounding
-exp_avg            ``uint8``: codes + ``exp_avg_absmax``  1 + 4/128        no: dynamic tree, nearest
+exp_avg            ``uint8``: codes + ``exp_avg_scale``   1 + 1/128        no: sign + a tapered 7-bit float
+                   (uint8 per block)                                       (15 binades), stochastic rounding
 exp_avg_sq         ``float32`` / ``bfloat16``           4 / 2              yes / no (stochastic rounding)
-exp_avg_sq         ``uint8``: codes + ``..._absmax``      1 + 4/128        no: log2 levels, stochastic rounding
+exp_avg_sq         ``uint8``: codes + ``..._scale``       1 + 1/128        no: a tapered 8-bit float (27
+                                                                           binades), stochastic rounding
 =================  =================================  =================  ======================================
 
 Presets (:data:`PRESETS`), for a float16/bfloat16 parameter: ``"fp32"`` 12 B (the default),
-``"split"`` 10.01 B, ``"bf16"`` 6.01 B, ``"compact"`` 4.07 B. float32 parameters have no master
+``"split"`` 10.01 B, ``"bf16"`` 6.01 B, ``"compact"`` 4.02 B. float32 parameters have no master
 (the parameter is the weight) and use the moment encodings; float64 parameters keep float64 state.
 
 The encodings:
@@ -56,36 +58,50 @@ The encodings:
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
-* **uint8 moments**, block-wise with one fp32 absmax per block of 128 (Dettmers et al., "8-bit
-  Optimizers via Block-wise Quantization", ICLR 2022). ``exp_avg``: Dettmers' signed dynamic tree
-  map (bitsandbytes' ``create_dynamic_map``), nearest code (ties to the smaller magnitude).
-  ``exp_avg_sq``: code 0 is 0, codes 1..255 are ``absmax * 2**(-24 * (255 - c) / 254)`` (24 octaves,
-  log-spaced), stochastic rounding unbiased in value between the largest level ``<= v`` and the next
-  one, and a nonzero value never encodes to 0 (it would make ``m / sqrt(v)`` explode); values below
-  the range take code 1. Both are defined by exact float32 comparisons with their tables: the
-  ``log10``/``log2`` that find the code only estimate it, so their rounding changes no code, and the
-  C++ kernel writes the same bytes. Chosen on measurements (``docs/research/compact-state``):
-  Dettmers' unsigned map and linear maps for ``exp_avg_sq`` lost 20-109% of validation loss on the
-  digits task.
+* **uint8 moments**: small floats over a power-of-two scale per block of 128 (block-wise, as
+  Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022, but with no code
+  table): each block stores one uint8, its base exponent ``base = max(E - span, 1)`` for ``E`` the
+  biased float32 exponent of its largest finite magnitude, and each element a code over ``unit =
+  2**(base - 127)`` whose binade ``r`` (values in ``[unit * 2**r, unit * 2**(r + 1))``) has 2, 3 or 4
+  mantissa bits, more near the block's largest value, where most of a block's values are
+  (:data:`_TIERS`: a tapered float, as posits are), and below ``unit`` linear subnormals.
+  ``exp_avg``: a sign bit and 7 magnitude bits over 15 binades (4 mantissa bits in the top 4, 3 in
+  the next 3, 2 in the lowest 8, subnormals to 2**-17 of the largest). ``exp_avg_sq``: 8 magnitude
+  bits over 27 binades (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8); a positive value
+  never encodes to 0 (it would make ``m / sqrt(v)`` explode; below the range it takes the first
+  code). Encoding is the float32 bits shifted right by ``23 - mantissa`` plus the tier's offset,
+  with random bits added below the kept ones (stochastic rounding, unbiased in value: an
+  ``exp_avg_sq`` rounded to nearest would freeze, its per-step decay being below half a step, and a
+  stochastically rounded ``exp_avg`` trained closer to fp32 than a nearest one); decoding is a
+  shift and a subtraction (:func:`_encode_magnitude`). So both are a few integer operations per
+  element, with relative precision all the way down to the subnormals: no element's ``exp_avg_sq``
+  decodes to 0 beside a nonzero ``exp_avg`` (as linear codes of ``sqrt(exp_avg_sq)`` do), and an
+  element whose gradient is 1e-4 of its block's others' still moves as in fp32 after it stops.
+  Chosen by measurement (2026-12-02, ``halfadam train --task digits`` seeds 0-4 against fp32, val
+  loss and weight distance; and the small element, ``tests/test_state_modes.py``): one tier of 3
+  bits (14 and 30 binades) trained 1.34e-2 from fp32 (the codes of 2026-12-01: 9.4e-3); 4 bits for
+  both (7 and 15 binades) 7.7e-3 but clamped the small element to a third of its fp32 step; these
+  tiers 9.0e-3 (val -0.01% of fp32, range -0.18% to +0.21%) and keep it. The codes of 2026-12-01 (a
+  dynamic-tree ``exp_avg``, log2 ``exp_avg_sq`` levels over a float32 ``*_absmax``) are read from old
+  checkpoints by :mod:`halfadam._codes_20261201` (:attr:`StateFormat.legacy`) and converted.
 
 Random bits are a hash of the element's position in its parameter (its index in the flattened
-parameter), the step and the state kind (no generator state, nothing computed): every execution
+parameter) and the step, one 32-bit hash per element and step: ``exp_avg`` rounds with its upper
+16 bits, ``exp_avg_sq`` with its lower 16 (no generator state, nothing computed): every execution
 draws the same bits, float32 values that differ by an ulp between two executions round with the
 same bits, a resumed run continues bitwise, and a shard that knows its offset draws its elements'
 bits. (Elements at the same position of two parameters of one step draw the same bits.)
 
 Non-finite values (a nan or inf gradient, an overflowing ``g * g``): bfloat16 moments keep them
-(stochastic rounding of nan is nan, of inf is inf). A uint8 block that holds one is flagged by
-the sign bit of its stored absmax (the absmax of its finite values, so the rest of the block keeps
-its precision); in a flagged block reserved codes hold them (``exp_avg``: the map's values nearest
-zero, indices 126, 128, 129, mean -inf, +inf, nan; ``exp_avg_sq``: codes 1, 2 mean +inf, nan) and
-the finite values that would take those codes take 0.0 (``exp_avg``, an error below 6e-6 of the
-absmax) or code 3 (``exp_avg_sq``). Blocks without one are stored exactly as before.
+(stochastic rounding of nan is nan, of inf is inf). uint8 moments hold them in reserved codes that
+no finite value takes (``exp_avg``: magnitude 126 is nan, 127 an infinity of the code's sign;
+``exp_avg_sq``: 254 is +inf, 255 nan), and the block's scale is taken over its finite values, so
+the rest of the block keeps its codes.
 
 Layout: per-element keys have the parameter's shape. Blocks are 128 consecutive elements of the
 flattened parameter and never straddle a row (an index of dim 0): the per-block encodings apply only
 to parameters whose rows hold whole blocks (:func:`rows_fit_blocks`; others store those fields in
-float32, :func:`for_param`), and per-block keys (``*_absmax``, ``master_tie``) have the shape
+float32, :func:`for_param`), and per-block keys (``*_scale``, ``master_tie``) have the shape
 ``(rows, blocks per row)`` (:func:`block_shape`), so FSDP2 shards them with the parameter's rows and a
 shard's state is exactly the unsharded state's rows, on any number of ranks; no padding anywhere.
 In flat buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
@@ -101,11 +117,12 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import _codes_20261201
 from ._dtensor import like_param, like_rows, zeros_like_rows
 from .functional import adam_elementwise_, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
-           "decode_state", "encode_state_", "encoded_update_", "update_param_", "tables", "bytes_per_element", "for_param",
+           "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "for_param",
            "rows_fit_blocks", "block_shape",
            "format_of", "convert_state"]
 
@@ -125,11 +142,15 @@ class StateFormat:
     master: str = "fp32"
     exp_avg: torch.dtype = torch.float32
     exp_avg_sq: torch.dtype = torch.float32
+    #: uint8 moments in the codes of 2026-12-01 (a dynamic-tree / log2 table over a float32
+    #: ``*_absmax`` per block, :mod:`halfadam._codes_20261201`): read from old checkpoints, decoded
+    #: and encoded in today's codes; never stepped.
+    legacy: bool = False
 
     @property
     def stochastic(self) -> bool:
-        """Whether some moment rounds stochastically (bfloat16 moments, uint8 ``exp_avg_sq``)."""
-        return self.exp_avg == torch.bfloat16 or self.exp_avg_sq != torch.float32
+        """Whether some moment rounds stochastically (every bfloat16 or uint8 one)."""
+        return self.exp_avg != torch.float32 or self.exp_avg_sq != torch.float32
 
     @property
     def blocked(self) -> bool:
@@ -145,6 +166,8 @@ class StateFormat:
         name = {v: k for k, v in PRESETS.items()}.get(self)
         dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
         parts = f"master={self.master}, exp_avg={dt[self.exp_avg]}, exp_avg_sq={dt[self.exp_avg_sq]}"
+        if self.legacy:
+            parts += ", the uint8 codes of 2026-12-01"
         return f"{name!r} ({parts})" if name else parts
 
 
@@ -221,12 +244,14 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     if not rows_fit_blocks(tuple(param.shape)):
         master = "fp32"
         exp_avg, exp_avg_sq = (torch.float32 if dt == torch.uint8 else dt for dt in (exp_avg, exp_avg_sq))
-    return StateFormat(master, exp_avg, exp_avg_sq)
+    return StateFormat(master, exp_avg, exp_avg_sq, fmt.legacy)
 
 
 #: Every per-element state key of any encoding (besides ``step``), and every per-block one.
 ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq")
-BLOCK_KEYS = ("master_tie", "exp_avg_absmax", "exp_avg_sq_absmax")
+BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_scale")
+#: The per-block keys of the uint8 codes of 2026-12-01 (read from old checkpoints only).
+LEGACY_BLOCK_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,7 +274,7 @@ def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
         keys["master_tie"] = torch.uint8
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if dtype == torch.uint8:
-            keys[f"{name}_absmax"] = torch.float32
+            keys.update({f"{name}_absmax": torch.float32} if fmt.legacy else {f"{name}_scale": torch.uint8})
     return keys
 
 
@@ -268,19 +293,28 @@ def n_blocks(numel: int) -> int:
 _MASK32 = 0xFFFFFFFF
 
 
-def _random_bits(position: Tensor, seed: Tensor, salt: int) -> Tensor:
+def _random_bits(position: Tensor, seed: Tensor) -> Tensor:
     """32 pseudo-random bits (int64 in [0, 2**32)) per element: a hash of the element's ``position``
-    in its parameter (int64, the index in the flattened parameter), the 0-d int64 ``seed`` (the
-    step) and ``salt`` (the state kind); three xor-shift-multiply rounds (the "lowbias32" family)
-    with multipliers below 2**31, so int64 products never overflow.
+    in its parameter (int64, the index in the flattened parameter) and the 0-d int64 ``seed`` (the
+    step); three xor-shift-multiply rounds (the "lowbias32" family) with multipliers below 2**31, so
+    int64 products never overflow. One hash per element and step serves both moments: ``exp_avg``
+    takes its upper 16 bits, ``exp_avg_sq`` its lower 16 (:func:`_moment_bits`).
 
     The bits depend on nothing computed: implementations whose float32 values differ by an ulp (an
     eager and a compiled ``sqrt``) draw the same bits, and so do a resumed run and a sharded one."""
-    h = (position & _MASK32) ^ ((seed * 0x27D4EB2F + salt) & _MASK32)
+    h = (position & _MASK32) ^ ((seed * 0x27D4EB2F + _SALT) & _MASK32)
     h = ((h ^ (h >> 16)) * 0x7FEB352D) & _MASK32
     h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & _MASK32
     h = ((h ^ (h >> 16)) * 0x297A2D39) & _MASK32
     return h ^ (h >> 15)
+
+
+_SALT = 0x1B873593
+
+
+def _moment_bits(bits: Tensor, name: str) -> Tensor:
+    """The 16 random bits (int64 in [0, 2**16)) of moment ``name`` in an element's 32 (:func:`_random_bits`)."""
+    return bits >> 16 if name == "exp_avg" else bits & 0xFFFF
 
 
 #: The key of the per-block int32 index of each block within its parameter, passed to
@@ -307,7 +341,7 @@ def positions(stored: Dict[str, Tensor], n: int, device: torch.device) -> Tensor
 
 def random_seed(fmt: StateFormat, step: Union[int, float, Tensor], device: torch.device) -> Optional[Tensor]:
     """The random bits' seed (the step, 0-d int64 on ``device``), or ``None`` when ``fmt`` draws none
-    (only bfloat16 and uint8 ``exp_avg_sq``/bfloat16 ``exp_avg`` round stochastically)."""
+    (both moments float32)."""
     if not fmt.stochastic:
         return None
     if isinstance(step, Tensor):
@@ -315,50 +349,96 @@ def random_seed(fmt: StateFormat, step: Union[int, float, Tensor], device: torch
     return torch.tensor(int(step), dtype=torch.int64, device=device)
 
 
-def _uniform(position: Tensor, seed: Tensor, salt: int) -> Tensor:
-    """A float32 in [0, 1) per element (24 random bits)."""
-    return (_random_bits(position, seed, salt) >> 8).to(torch.float32) * (1.0 / (1 << 24))
+# ---------------------------------------------------------------------------------- uint8 codes
+# Each uint8 moment is a small tapered float over a power-of-two scale per block: no table, no
+# search, no division; encoding and decoding are a few integer operations on float32 bits.
+#: exp_avg: a sign bit and 7 magnitude bits; exp_avg_sq: 8 magnitude bits.
+_MAGNITUDE_MASK = {"exp_avg": 127, "exp_avg_sq": 255}
+#: Each moment's codes, tier by tier from the smallest values up: (mantissa bits, binades). The
+#: lowest tier also holds subnormals below its first binade (``2**mantissa`` codes from 0, linear).
+#: exp_avg: 15 binades (the largest magnitude in the top one), 4 bits in the top 4, 3 in the next 3,
+#: 2 in the 8 below and the subnormals (to 2**-17 of the largest); codes 0..124 (124 is the value
+#: rounded up from the top binade). exp_avg_sq: 27 binades, 4 bits in the top 8, 3 in the next 11, 2 in
+#: the lowest 8; codes 0..252. Chosen by measurement (``halfadam train --task digits``, seeds 0-4,
+#: and a small element beside large ones: see the module docstring).
+_TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((2, 8), (3, 11), (4, 8))}
+#: Reserved magnitude codes, the two largest (never taken by a finite value): exp_avg 126 is nan and
+#: 127 an infinity of the code's sign; exp_avg_sq 254 is +inf and 255 nan (a -inf exp_avg_sq is a nan).
+_NAN_CODE = {"exp_avg": 126, "exp_avg_sq": 255}
+_INF_CODE = {"exp_avg": 127, "exp_avg_sq": 254}
 
 
-# ---------------------------------------------------------------------------------- constants
-def dynamic_map(signed: bool = True) -> Tensor:
-    """Dettmers' dynamic tree map (bitsandbytes ``create_dynamic_map``, 7 exponent bits): 256 sorted
-    float32 values in [-1, 1]. Decade ``i`` (values in [0.1, 1] * 10**(i - 6)) holds ``2**i`` linear levels."""
-    data = []
-    for i in range(7):
-        items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = torch.linspace(0.1, 1, items, dtype=torch.float64)
-        means = ((bounds[:-1] + bounds[1:]) / 2 * 10.0 ** (i - 6)).tolist()
-        data += means + ([-x for x in means] if signed else [])
-    data += [0.0, 1.0]
-    data += [0.0] * (256 - len(data))
-    return torch.tensor(sorted(data), dtype=torch.float32)
+def _tier_table(tiers: Tuple[Tuple[int, int], ...]) -> Tuple[Tuple[Tuple[int, int, int], ...], int, int]:
+    """Per tier (mantissa bits, its first binade over the block's base, its first code); the binades in
+    all, and the code of the value just above them (``unit * 2**binades``, the largest one taken)."""
+    out, r0, code = [], 0, 1 << tiers[0][0]
+    for mantissa, binades in tiers:
+        out.append((mantissa, r0, code))
+        r0, code = r0 + binades, code + (binades << mantissa)
+    return tuple(out), r0, code
 
 
-#: The index of 0.0 in the sorted signed dynamic map; ``exp_avg`` stores ``(index - _DYN_ZERO) mod 256``
-#: so that zero-filled state (new, or the padding after a parameter) decodes to 0.
-_DYN_ZERO = 127
-
-#: log2 octaves spanned by the uint8 exp_avg_sq levels below each block's absmax.
-V_OCTAVES = 24.0
-
-
-def tables(fmt: StateFormat, device: torch.device) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
-    """The uint8 moments' lookup tables on ``device`` (cached), or ``None`` when ``fmt`` has none:
-    (dynamic map, its decades' scales ``10**(i - 6)``, exp_avg_sq levels)."""
-    if torch.uint8 not in (fmt.exp_avg, fmt.exp_avg_sq):
-        return None
-    found = _CONSTANTS.get(device)
-    if found is None:
-        dyn = dynamic_map(signed=True)
-        codes = torch.arange(256, dtype=torch.float64)
-        levels = torch.where(codes > 0, torch.exp2((codes - 255) * (V_OCTAVES / 254)), 0.0).float()
-        decades = torch.tensor([10.0 ** (i - 6) for i in range(7)], dtype=torch.float32)
-        found = _CONSTANTS[device] = tuple(t.to(device) for t in (dyn, decades, levels))
-    return found
+_TIER_TABLE = {name: _tier_table(tiers) for name, tiers in _TIERS.items()}
+#: A block's base exponent is its largest finite magnitude's biased exponent less this (its binade
+#: is then the top one).
+_SPAN = {name: _TIER_TABLE[name][1] - 1 for name in _TIERS}
+assert all(_TIER_TABLE[name][2] < _NAN_CODE[name] - 1 for name in _TIERS)  # below the reserved codes
+assert all(a[0] < b[0] for tiers in _TIERS.values() for a, b in zip(tiers, tiers[1:]))  # rising mantissas
 
 
-_CONSTANTS: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+def _block_base(blocks: Tensor, name: str) -> Tensor:
+    """Each block's base exponent (int32, ``(blocks, 1)``): ``max(E - _SPAN[name], 1)`` for ``E`` the
+    biased float32 exponent of the block's largest finite magnitude (0 for a block of zeros)."""
+    magnitude = blocks.view(torch.int32) & 0x7FFFFFFF
+    exponent = torch.where(magnitude < 0x7F800000, magnitude >> 23, 0).amax(dim=1, keepdim=True)
+    return torch.clamp(exponent - _SPAN[name], min=1)
+
+
+def _tier_of(select, base: Tensor, name: str):
+    """Per element, its tier's mantissa bits and code offset (int32): the tiers above the lowest are
+    taken where ``select(r0, first)`` (a bool tensor) holds for their first binade ``r0`` and first
+    code ``first``. A tier's code is its float32 bits shifted right by ``23 - mantissa``, plus the
+    offset ``first - ((base + r0) << mantissa)``."""
+    tiers = _TIER_TABLE[name][0]
+    m0 = tiers[0][0]
+    mantissa, offset, below = m0, (1 << m0) - (base << m0), m0
+    for m, r0, first in tiers[1:]:
+        taken = select(r0, first)
+        mantissa = mantissa + taken.to(torch.int32) * (m - below)  # the tiers' mantissas rise
+        offset = torch.where(taken, first - ((base + r0) << m), offset)
+        below = m
+    return mantissa, offset
+
+
+def _encode_magnitude(a: Tensor, base: Tensor, rounding: Tensor, name: str) -> Tensor:
+    """The magnitude code (int32) of finite ``a`` >= 0 (float32, ``(blocks, BLOCK)``) over ``base``
+    (:func:`_block_base`), rounded stochastically with ``rounding`` (16 random bits, int32).
+
+    With ``unit = 2**(base - 127)``, binade ``r`` holds ``[unit * 2**r, unit * 2**(r + 1))`` and its
+    tier's ``2**mantissa`` codes are linear in it; below ``unit`` the lowest tier's subnormals ``unit *
+    k / 2**mantissa``. A code is the float32 bits of ``a`` shifted right by ``23 - mantissa`` plus its
+    tier's offset (:func:`_tier_of`); a subnormal one's, those of ``a + unit`` (in ``[unit, 2 unit)``:
+    the kept bits are ``a / unit * 2**mantissa``) less ``2**mantissa``. The random bits are added
+    below the kept ones before the shift: rounding up with probability the remainder's share of a
+    step, unbiased in value (a step is linear in value, also across a tier's edge: the value rounded
+    up from a binade's top is the next binade's first)."""
+    r = (a.view(torch.int32) >> 23) - base
+    mantissa, offset = _tier_of(lambda r0, first: r >= r0, base, name)
+    unit = (base << 23).view(torch.float32)
+    sub = a < unit
+    y = torch.where(sub, a + unit, a).view(torch.int32)
+    m0 = _TIER_TABLE[name][0][0][0]
+    return ((y + (rounding << (7 - mantissa))) >> (23 - mantissa)) + offset - (sub.to(torch.int32) << m0)
+
+
+def _decode_magnitude(k: Tensor, base: Tensor, name: str) -> Tensor:
+    """The float32 value of magnitude codes ``k`` (int32) over ``base``: :func:`_encode_magnitude`
+    inverted (exact: the subtraction of ``unit`` is of two values of one binade)."""
+    mantissa, offset = _tier_of(lambda r0, first: k >= first, base, name)
+    m0 = _TIER_TABLE[name][0][0][0]
+    sub = k < (1 << m0)
+    value = ((k - offset + (sub.to(torch.int32) << m0)) << (23 - mantissa)).view(torch.float32)
+    return torch.where(sub, value - (base << 23).view(torch.float32), value)
 
 
 # ---------------------------------------------------------------------------------- master weights
@@ -425,125 +505,56 @@ def _split_encode_(master: Tensor, param: Tensor, hi: Tensor, lo: Tensor, tie: T
 
 
 # ---------------------------------------------------------------------------------- moments
-_SALT = {"exp_avg": 0x3C6EF372, "exp_avg_sq": 0x1B873593}
-
-
-#: Codes that a block holding non-finite values (its stored absmax has the sign bit set) gives to
-#: them, by index into the moment's table (dynamic map index for ``exp_avg``, the code for
-#: ``exp_avg_sq``): values the block's finite elements then never take (they round to 0.0, or take
-#: the next level up, an error below 2**-17 of the block's absmax).
-_NONFINITE = {"exp_avg": ((128, math.inf), (126, -math.inf), (129, math.nan)),
-              "exp_avg_sq": ((1, math.inf), (2, math.nan))}
-
-
-def _nonfinite_codes(name: str, x: Tensor) -> Tensor:
-    """The reserved code (table index) of each element of ``x`` as if it were non-finite: its
-    :data:`_NONFINITE` entry, nan's for anything else (``exp_avg_sq`` has no -inf: a -inf is a nan)."""
-    codes = torch.full_like(x, next(c for c, v in _NONFINITE[name] if math.isnan(v)), dtype=torch.int64)
-    for code, value in _NONFINITE[name]:
-        if not math.isnan(value):
-            codes = torch.where(x == value, code, codes)
-    return codes
-
-
-def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], tables) -> Tensor:
+def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], legacy: bool = False) -> Tensor:
     q = stored[name]
     if dtype == torch.float32:
         return q
     if dtype == torch.bfloat16:
         return q.to(torch.float32)
-    if name == "exp_avg":
-        table, index = tables[0], (q.to(torch.int64) + _DYN_ZERO) & 255
-    else:
-        table, index = tables[2], q.to(torch.int64)
-    absmax = stored[f"{name}_absmax"].view(-1, 1)
-    flagged = absmax.view(torch.int32) < 0  # the sign bit: this block holds non-finite values
-    index = index.view(-1, BLOCK)
-    values = table[index] * absmax.abs()
-    for code, special in _NONFINITE[name]:
-        values = torch.where(flagged & (index == code), special, values)
-    return values.view(-1)
+    if legacy:
+        return _codes_20261201.decode(name, q, stored[f"{name}_absmax"])
+    base = stored[f"{name}_scale"].to(torch.int32).view(-1, 1)
+    code = q.to(torch.int32).view(-1, BLOCK)
+    k = code & _MAGNITUDE_MASK[name]
+    value = _decode_magnitude(k, base, name)
+    value = torch.where(k == _INF_CODE[name], math.inf, value)
+    if name == "exp_avg":  # a sign bit
+        value = torch.where(code > 127, -value, value)
+    return torch.where(k == _NAN_CODE[name], math.nan, value).view(-1)
 
 
-def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], tables,
-                    seed: Tensor) -> None:
+def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], bits: Optional[Tensor]) -> None:
     """Encode float32 ``x`` (flat; a multiple of BLOCK long for uint8) into ``stored[name]`` (and its
-    absmax), any float included: nan and +-inf decode as themselves (``exp_avg_sq``: -inf as nan)."""
+    scale), any float included: nan and +-inf decode as themselves (``exp_avg_sq``: -inf as nan).
+    ``bits``: the elements' random bits (:func:`_random_bits`) when ``dtype`` rounds stochastically."""
     if dtype == torch.float32:
         return  # updated in place
+    rounding = _moment_bits(bits, name)
     if dtype == torch.bfloat16:  # stochastic rounding: add 16 random bits below bf16's, truncate
-        bits = x.view(torch.int32).to(torch.int64) + (
-            _random_bits(positions(stored, x.numel(), x.device), seed, _SALT[name]) >> 16)
-        truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value (inf, nan kept)
-        stored[name].copy_(truncated.to(torch.bfloat16))
+        bits = x.view(torch.int32).to(torch.int64) + rounding
+        truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value (inf kept)
+        # a nan whose mantissa is near all ones would carry into the sign bit (-0.0): stored as bf16's nan
+        stored[name].copy_(torch.where(x.isnan(), math.nan, truncated).to(torch.bfloat16))
         return
     blocks = x.view(-1, BLOCK)
+    base = _block_base(blocks, name)
     finite = blocks.isfinite()
-    flagged = ~finite.all(dim=1, keepdim=True)  # the block holds nan or inf: reserved codes for them
-    xf = torch.where(finite, blocks, 0.0)
-    absmax = xf.abs().amax(dim=1, keepdim=True)  # over the finite values
-    y = xf / torch.where(absmax > 0, absmax, 1.0)
-    if name == "exp_avg":
-        index = _dynamic_nearest(y, tables[0], tables[1])
-        reserved = functools.reduce(torch.logical_or, [index == c for c, _ in _NONFINITE[name]])
-        index = torch.where(flagged & reserved, _DYN_ZERO, index)  # a flagged block's finite values: 0.0
-        index = torch.where(finite, index, _nonfinite_codes(name, blocks))
-        codes = (index - _DYN_ZERO) & 255  # stored so that code 0 is 0.0
-    else:  # log2 levels; stochastic rounding unbiased in value; nonzero never to 0
-        levels = tables[2]
-        # lo: the largest code in 1..254 whose level is <= y (1 below the range), by exact comparisons
-        # with the table: log2 only estimates it (within one code: 0.09 octave), so its rounding (an
-        # eager, a compiled or the C++ kernel's log2) never changes a code
-        # (a negative value, which no step makes but a loaded state may hold, encodes to 0 below)
-        lo = torch.floor(255 + torch.log2(y.clamp(min=0)) * (254 / V_OCTAVES)).clamp(1, 254).to(torch.int64)
-        lo = (lo + (levels[lo + 1] <= y).to(torch.int64) - (levels[lo] > y).to(torch.int64)).clamp(1, 254)
-        lowest = 1 + max(c for c, _ in _NONFINITE[name])  # above the codes of inf and nan in a flagged block
-        lo = torch.maximum(lo, torch.where(flagged, lowest, 1))
-        v_lo, v_hi = levels[lo], levels[lo + 1]
-        p = ((y - v_lo) / (v_hi - v_lo)).clamp(0, 1)
-        u = _uniform(positions(stored, x.numel(), x.device).view(-1, BLOCK), seed, _SALT[name])
-        # nonzero never to 0: test the value itself (v / absmax can underflow to 0 when absmax is huge)
-        codes = torch.where(xf > 0, lo + (u < p).to(torch.int64), 0)
-        codes = torch.where(finite, codes, _nonfinite_codes(name, blocks))
-    stored[name].copy_(codes.view(-1).to(torch.uint8))
-    stored[f"{name}_absmax"].copy_(torch.where(flagged, -absmax, absmax).view(-1))
-
-
-def _dynamic_nearest(y: Tensor, dyn: Tensor, decades: Tensor) -> Tensor:
-    """The index (int32) of the dynamic map's value nearest to ``y`` (in [-1, 1]), computed, not searched.
-
-    The rule: for ``a = |y|``, the index ``j`` in 127..255 (the positive half) with the smallest
-    float32 distance ``|dyn[j] - a|``; an exact tie goes to the lower index (the smaller magnitude);
-    for ``y < 0`` the mirrored index ``max(254 - j, 0)``.
-
-    The map's positive half is 0.0 (index 127), decade ``i`` = 0..6 at indices ``128 + 2**i - 1 + k``
-    (``k`` < 2**i, value ``10**(i-6) * (0.1 + (k + 0.5) * 0.9 / 2**i)``) and 1.0 (255); the negative
-    half mirrors it at ``254 - index`` (there is no -1.0). The decade and ``k`` come from
-    ``log10(|y|)``: an index that is one of the two map values around ``a`` whatever ``log10``'s
-    rounding, also at the decade boundaries; the rule is applied to it and its two neighbours (in
-    rising order, a strict ``<``), which hold the two, so the result never depends on ``log10`` (the
-    C++ kernel finds the decade by comparisons). (A search, ``torch.bucketize``, runs in Inductor as a
-    separate ATen pass, 30x slower than the rest of the encoding on the CPU.)
-    """
-    a = y.abs()
-    i = (torch.floor(torch.log10(a)) + 7).clamp(0, 6).to(torch.int32)  # decade i: [1e-7, 1e-6] * 10**i
-    levels = (1 << i).to(torch.float32)  # 2**i levels in decade i
-    k = torch.round((a / decades[i] - 0.1) * (levels / 0.9) - 0.5).clamp(min=0)
-    k = torch.minimum(k, levels - 1).to(torch.int32)
-    c = 127 + (1 << i) + k
-    best = (c - 1).clamp(127, 255)  # the candidates in rising order, a strict "<": ties to the lower index
-    best_err = (dyn[best] - a).abs()
-    for step in (0, 1):
-        other = (c + step).clamp(127, 255)
-        err = (dyn[other] - a).abs()
-        closer = err < best_err
-        best, best_err = torch.where(closer, other, best), torch.where(closer, err, best_err)
-    return torch.where(y < 0, (254 - best).clamp(min=0), best)
+    r = rounding.to(torch.int32).view(-1, BLOCK)  # 16 random bits, put below the kept ones
+    k = _encode_magnitude(torch.where(finite, blocks.abs(), 0.0), base, r, name)
+    if name == "exp_avg":  # the sign bit, a nan's aside (whatever pattern an execution writes)
+        negative = blocks.view(torch.int32) < 0
+        code = torch.where(finite, k, torch.where(blocks.isnan(), _NAN_CODE[name], _INF_CODE[name]))
+        code = torch.where(negative & ~blocks.isnan(), code + 128, code)
+    else:  # nonzero never to 0: m / sqrt(v) must not explode
+        code = torch.where(blocks > 0, torch.clamp(k, min=1), 0)
+        code = torch.where(finite, code, torch.where(blocks == math.inf, _INF_CODE[name], _NAN_CODE[name]))
+    stored[name].copy_(code.view(-1).to(torch.uint8))
+    stored[f"{name}_scale"].copy_(base.view(-1).to(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------- the step
 def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Tensor,
-                    coefficients: Tuple[Tensor, ...], seed: Tensor, tables: Optional[Tuple[Tensor, ...]], *,
+                    coefficients: Tuple[Tensor, ...], seed: Optional[Tensor], *,
                     master: str, exp_avg: torch.dtype, exp_avg_sq: torch.dtype, decay: str,
                     optimized_update: bool) -> None:
     """One Adam step over flat, block-padded state: decode, :func:`adam_elementwise_`, encode.
@@ -555,9 +566,7 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
             master and the weight is ``stored["weight"]`` (float32, updated in place).
         grad: flat float32 gradient.
         coefficients, seed: :func:`halfadam.functional.adam_coefficients` (0-d tensors), and the step
-            as a 0-d int64 tensor (the random bits' seed).
-        tables: :func:`tables` of the device (``None`` without uint8 moments): passed in, so that a
-            compiled caller neither builds nor captures them.
+            as a 0-d int64 tensor (the random bits' seed; ``None`` when no moment rounds stochastically).
     Every tensor is 1-D with a length that is a multiple of BLOCK when the format is blocked.
     """
     if param is None:
@@ -567,11 +576,12 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
         sync_master_(weight, param)
     else:
         weight = _split_decode(param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
-    m = _decode_moment(exp_avg, "exp_avg", stored, tables)
-    v = _decode_moment(exp_avg_sq, "exp_avg_sq", stored, tables)
+    m = _decode_moment(exp_avg, "exp_avg", stored)
+    v = _decode_moment(exp_avg_sq, "exp_avg_sq", stored)
     adam_elementwise_(weight, grad, m, v, *coefficients, decay=decay, optimized_update=optimized_update)
-    _encode_moment_(exp_avg, "exp_avg", m, stored, tables, seed)
-    _encode_moment_(exp_avg_sq, "exp_avg_sq", v, stored, tables, seed)
+    bits = None if seed is None else _random_bits(positions(stored, grad.numel(), grad.device), seed)
+    _encode_moment_(exp_avg, "exp_avg", m, stored, bits)
+    _encode_moment_(exp_avg_sq, "exp_avg_sq", v, stored, bits)
     if param is not None:
         if master == "fp32":
             param.copy_(weight)
@@ -598,7 +608,7 @@ def has_master(state: Dict[str, Tensor]) -> bool:
 
 def is_block_key(key: str) -> bool:
     """Whether state entry ``key`` is per block of BLOCK elements (else per element)."""
-    return key in BLOCK_KEYS or key == BLOCK_INDEX
+    return key in BLOCK_KEYS or key in LEGACY_BLOCK_KEYS or key == BLOCK_INDEX
 
 
 def slice_flat(stored: Dict[str, Tensor], a: int, b: int) -> Dict[str, Tensor]:
@@ -653,7 +663,7 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
         stored["weight"] = flat_param.to(torch.float32)
     g = _pad(grad, flat_param.numel(), param, torch.float32)
     encoded_update_(stored, flat_param if with_master else None, g, coefficients, random_seed(fmt, step, param.device),
-                    tables(fmt, param.device), master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
+                    master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
                     decay=decay, optimized_update=optimized_update)
     if not with_master:
         flat_param.copy_(stored.pop("weight"))
@@ -666,7 +676,6 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
     new float32 tensors of the parameter's shape (a split master synced with ``param``, see
     :func:`_split_decode`)."""
     stored, flat_param = _flat_copies(fmt, param, state)
-    tables_ = tables(fmt, param.device)
     out = {}
     if "master_weight" in names:
         if "master_weight" in stored:
@@ -676,7 +685,7 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
                                                  stored["master_tie"])
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if name in names:
-            out[name] = _decode_moment(dtype, name, stored, tables_)
+            out[name] = _decode_moment(dtype, name, stored, fmt.legacy)
     n = param.numel()
     return {k: v[:n].reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
@@ -692,10 +701,11 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
     length = flat_param.numel()
     if fmt.stochastic:
         stored[POSITION] = torch.arange(offset, offset + length, dtype=torch.int64, device=param.device)
-    seed, tables_ = random_seed(fmt, step, param.device), tables(fmt, param.device)
+    seed = random_seed(fmt, step, param.device)
+    bits = None if seed is None else _random_bits(stored[POSITION], seed)
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         x = _pad(values[name], length, param, torch.float32)
-        stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, tables_, seed)
+        stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, bits)
     if has_master(stored):
         _encode_master_(stored, flat_param, _pad(values["master_weight"], length, param, torch.float32))
     _write_back(state, stored, None, flat_param)
@@ -713,7 +723,8 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
             raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
-    return StateFormat("split" if "master_lo" in state else "fp32", *dtypes)
+    legacy = any(key in state for key in LEGACY_BLOCK_KEYS)
+    return StateFormat("split" if "master_lo" in state else "fp32", *dtypes, legacy=legacy)
 
 
 def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,

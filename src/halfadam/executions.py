@@ -126,7 +126,7 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 
 # ---------------------------------------------------------------------------------------- flat paths
 def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor], coefficients: Tuple[Tensor, ...],
-                 seed: Tensor, tables: Optional[Tuple[Tensor, ...]], grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
+                 seed: Optional[Tensor], grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
                  exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
     """One bucket segment's update over flat buffers: unscale, then :func:`halfadam.encodings.encoded_update_`
     (decode the state, master sync, :func:`adam_elementwise_`, encode, write the parameter back).
@@ -141,7 +141,7 @@ def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
-    encoded_update_(stored, param, g, coefficients, seed, tables, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+    encoded_update_(stored, param, g, coefficients, seed, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                     decay=decay, optimized_update=optimized_update)
 
 
@@ -199,7 +199,7 @@ def _run_kernel(implementation: str, *args, **kwargs) -> None:
     if implementation == "fused" or (implementation == "auto" and _compile_failed is None):
         try:
             stored, grad, param = args[:3]
-            key = (grad.device.type, grad.dtype, None if param is None else param.dtype, args[6] is None,
+            key = (grad.device.type, grad.dtype, None if param is None else param.dtype, args[5] is None,
                    tuple(sorted(stored)), tuple(sorted(kwargs.items())))
             for t in [*stored.values(), grad, param]:
                 if t is not None:
@@ -290,7 +290,6 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
         optimized_update=hp.optimized_update)
     seed = encodings.random_seed(bucket.format, step, device)  # None unless the format rounds stochastically
-    tables = encodings.tables(bucket.format, device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
     fmt = bucket.format
@@ -304,7 +303,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
             param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
             if not bucket.has_master:
                 stored["weight"], param = param, None
-            _run_kernel(implementation, stored, grad, param, coefficients, seed, tables, grad_scale, **rest)
+            _run_kernel(implementation, stored, grad, param, coefficients, seed, grad_scale, **rest)
             continue
         # a run of smaller parameters: gather their values and gradients into flat buffers, one kernel
         # call, copy the results into the parameters
@@ -319,7 +318,7 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
         param = bucket.out[a:b]
         if not bucket.has_master:
             stored["weight"], param = param, None
-        _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, tables, grad_scale, **rest)
+        _run_kernel(implementation, stored, buf[a:b], param, coefficients, seed, grad_scale, **rest)
         torch._foreach_copy_(bucket.params[i:j], out_views)
     bucket.advance_steps(subset)
 
@@ -418,7 +417,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
                                            device, states=[state[pairs[k][0]] for k in ks])
         triton_kernel.launch(triton_kernel.work_list(numels, device), table,
                              triton_kernel.scalars(hp.coefficients(step), step, device), {},
-                             encodings.tables(pfmt, device), param_dtype=dtype, grad_dtype=gdtype,
+                             param_dtype=dtype, grad_dtype=gdtype,
                              master=_master_kind(pfmt, with_master), exp_avg=pfmt.exp_avg,
                              exp_avg_sq=pfmt.exp_avg_sq, l2=hp.decay == "l2", optimized_update=hp.optimized_update,
                              grad_scale=None if grad_scale is None else
@@ -485,7 +484,7 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
     fmt = bucket.format
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
-    triton_kernel.launch(work, table, scalars, bucket.flat, encodings.tables(fmt, device), param_dtype=bucket.dtype,
+    triton_kernel.launch(work, table, scalars, bucket.flat, param_dtype=bucket.dtype,
                          grad_dtype=gdtype, master=_master_kind(fmt, bucket.has_master), exp_avg=fmt.exp_avg,
                          exp_avg_sq=fmt.exp_avg_sq,
                          l2=hp.decay == "l2", optimized_update=hp.optimized_update, grad_scale=grad_scale,
@@ -533,12 +532,11 @@ def _cpp_call(kernel, params: List[Tensor], grads: List[Tensor], flat: Dict[str,
               grad_scale: Optional[Tensor], step: int) -> None:
     """The C++ kernel's ``adam_step`` over ``params`` whose state lies in the 1-D buffers ``flat`` at
     ``offsets`` (``positions``: their first elements' positions in their whole parameters, empty for
-    0); with uint8 moments :func:`halfadam.encodings.tables` is passed along (the kernel uses its
-    float32 values)."""
+    0)."""
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
     kernel.adam_step(params, grads, flat, offsets, coefficients, grad_scale, hp.decay == "l2", hp.optimized_update,
-                     step, encodings.tables(fmt, torch.device("cpu")) or (), positions)
+                     step, positions)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

@@ -876,7 +876,7 @@ class AdamW(_AdamBase):
             ``"fp32"`` (default: fp32 master, ``exp_avg``, ``exp_avg_sq``; 12 B), ``"split"`` (the
             master as the parameter plus a 16-bit remainder: bf16 training bit for bit the same;
             10.008 B), ``"bf16"`` (split, bf16 moments with stochastic rounding; 6.008 B) or
-            ``"compact"`` (split, 8-bit block-wise moments; 4.07 B).
+            ``"compact"`` (split, 8-bit block-wise moments; 4.02 B).
         store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype: override the preset's fields
             (Megatron's names): split masters on/off; ``torch.float32``, ``torch.bfloat16`` or
             ``torch.uint8`` (8-bit block-wise) for each moment.

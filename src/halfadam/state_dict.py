@@ -9,7 +9,7 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        # other state modes store their encodings instead (halfadam.encodings):
                        # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master,
                        #   with "remainder_dtype": the parameter dtype its remainders are over),
-                       # bfloat16 moments, or uint8 moments + "exp_avg_absmax"/"exp_avg_sq_absmax"
+                       # bfloat16 moments, or uint8 moments + "exp_avg_scale"/"exp_avg_sq_scale"
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
 
@@ -422,7 +422,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         use_master = optimizer._use_master(p, group)  # type: ignore[attr-defined]
         saved = dict(saved)
         remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
-        allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS} if kind == "halfadam"
+        allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
+                   if kind == "halfadam"
                    else {"step", "exp_avg", "exp_avg_sq"})
         unexpected = sorted(set(saved) - allowed)
         if unexpected:

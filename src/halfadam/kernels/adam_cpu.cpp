@@ -19,21 +19,33 @@
 // State encodings (halfadam.encodings is their specification; the functions named there are mirrored
 // here bit for bit): the master is fp32 ("master_weight") or split ("master_hi" int8, "master_lo"
 // uint8, "master_tie" uint8 per 128-element block: encodings._split_decode / _split_encode_); each
-// moment is float32, bfloat16 (decoded exactly, encoded by stochastic rounding with
-// encodings._random_bits' hash of the element's position in its parameter, the step and a salt) or
-// uint8 with one float32 absmax per block (encodings._decode_moment / _encode_moment_: the dynamic
-// map's nearest value for exp_avg, stochastic rounding between log2 levels for exp_avg_sq, nan and
-// inf in flagged blocks; see "uint8 moments" below).
+// moment is float32, bfloat16 (decoded exactly, encoded by stochastic rounding) or uint8: a small
+// float per element, in tiers of mantissa bits by binade, over one uint8 base exponent per block
+// ("exp_avg_scale", "exp_avg_sq_scale": encodings._TIERS, _block_base, _encode_magnitude,
+// _decode_magnitude, _decode_moment, _encode_moment_; the tiers are the constants under "the uint8
+// codes" below, from which every table and shortcut here is derived).
+// The random bits of the stochastic rounding are one hash per element and step (encodings._random_bits
+// of the element's position in its parameter and the step): exp_avg takes its upper 16 bits,
+// exp_avg_sq its lower 16 (encodings._moment_bits), for bfloat16 and uint8 moments alike.
 // Gradients are float32 or the parameter's dtype (adam_step converts any other floating dtype).
 //
 // Work is split over torch's intra-op threads (at::parallel_for) by 128-element blocks across the list.
-// Each element is read and written once, in one loop: 8 lanes at a time with AVX2 (F16C converts
-// float16, integer ops round bfloat16), one at a time for the tail and on other CPUs (a uint8
-// moment's block goes through a float buffer in L1: decoded before the loop, encoded after it).
+// Each element is read and written once, in one loop written once for a "lane" type (the Lanes*
+// structs below): 16 lanes with AVX-512 (F and BW; DQ, VBMI and BF16 where there: vfpclassps, one
+// byte permute for the remainder's bytes, vcvtneps2bf16), 8 with AVX2 (and F16C), one at a time for
+// the tails and on other CPUs (set_lanes picks a narrower width, for tests). A uint8 moment's block is
+// decoded into a buffer of one block in L1 before the loop (whole blocks of codes that are all of a
+// tier's binades by the short path), updated there with the running extremes of its new values, and
+// encoded from there once the block is done (its scale is a maximum over it): with one hash per
+// element for both moments, by table lookups of the tier where the lanes have them (vpermt2d), by
+// the short path where no value of the block is subnormal for its base, nan or inf.
+// The float work is the divider's: sqrt and two divisions per element cost AVX-512 about 18 cycles
+// per 16 lanes on the AMD Zen 4 this was measured on, a floor that torch's fused AdamW shares.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,15 +59,117 @@
 #include <immintrin.h>
 #define HALFADAM_AVX2 1
 #endif
+#if defined(HALFADAM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define HALFADAM_AVX512 1
+#endif
+
+#define HA_INLINE inline __attribute__((always_inline))
 
 namespace {
 
 constexpr int64_t GRAIN = 32768;  // elements per thread task (at::internal::GRAIN_SIZE)
+constexpr int64_t BLOCK = 128;    // encodings.BLOCK
 
-// ---------------------------------------------------------------- lanes: one float, or 8 (AVX2)
-// The update is written once (adam_lanes) for a lane type V: float for tails and machines without
-// AVX2, V8 (8 floats in a __m256) otherwise. Loads convert a parameter's or gradient's dtype to
-// float32, stores round float32 to it (nearest even, as Tensor.copy_).
+// ---------------------------------------------------------------- the uint8 codes (encodings.py)
+// Each moment's codes, tier by tier from the smallest values up: (mantissa bits, binades)
+// (encodings._TIERS; the lowest tier also holds the subnormals below its first binade), and its
+// reserved magnitude codes (encodings._NAN_CODE, _INF_CODE) and magnitude mask (_MAGNITUDE_MASK).
+struct Tier {
+  int32_t mantissa, binades;
+};
+template <bool EXP_AVG> struct Codes;
+template <> struct Codes<true> {  // exp_avg: a sign bit (128) and 7 magnitude bits
+  static constexpr Tier kTiers[] = {{2, 8}, {3, 3}, {4, 4}};
+  static constexpr int32_t kNan = 126, kInf = 127, kMask = 127;
+};
+template <> struct Codes<false> {  // exp_avg_sq: 8 magnitude bits
+  static constexpr Tier kTiers[] = {{2, 8}, {3, 11}, {4, 8}};
+  static constexpr int32_t kNan = 255, kInf = 254, kMask = 255;
+};
+
+// What the tiers make (encodings._tier_table), per tier: its mantissa bits, first binade over the
+// block's base (r0) and first code, and k = (first << (23 - mantissa)) - (r0 << 23) mod 2**32: over
+// a block's base (unit_bits = base << 23), a value of the tier has the code
+// ((bits - unit_bits + k) >> (23 - mantissa)) and a code the bits (code << (23 - mantissa)) + unit_bits - k
+// (encodings._encode_magnitude / _decode_magnitude, with the offsets written out); the subnormals below
+// the lowest tier take k = 0 on the bits of value + unit.
+struct TierRow {
+  int32_t mantissa, r0, first, k;
+};
+template <size_t N>
+struct TierRows {
+  TierRow row[N];
+  int32_t binades, top;  // the binades in all; the code just above them
+};
+template <size_t N>
+constexpr TierRows<N> tier_rows(const Tier (&tiers)[N]) {
+  TierRows<N> out{};
+  int32_t r0 = 0, code = 1 << tiers[0].mantissa;
+  for (size_t i = 0; i < N; ++i) {
+    const uint32_t k = (static_cast<uint32_t>(code) << (23 - tiers[i].mantissa)) - (static_cast<uint32_t>(r0) << 23);
+    out.row[i] = {tiers[i].mantissa, r0, code, static_cast<int32_t>(k)};
+    r0 += tiers[i].binades;
+    code += tiers[i].binades << tiers[i].mantissa;
+  }
+  out.binades = r0;
+  out.top = code;
+  return out;
+}
+template <bool EXP_AVG>
+struct Spec {
+  using C = Codes<EXP_AVG>;
+  static constexpr size_t kTierCount = sizeof(C::kTiers) / sizeof(Tier);
+  static constexpr TierRows<kTierCount> kRows = tier_rows(C::kTiers);
+  static constexpr int32_t kM0 = C::kTiers[0].mantissa;
+  static constexpr int32_t kSpan = kRows.binades - 1;  // encodings._SPAN: the base is E - kSpan
+  static constexpr int32_t kNan = C::kNan, kInf = C::kInf, kMask = C::kMask;
+  static constexpr int32_t kReserved = kNan < kInf ? kNan : kInf;  // the lowest reserved code
+  static_assert(kRows.top < kReserved, "the codes reach the reserved ones");
+  static_assert(kM0 >= 1, "the lowest tier needs a mantissa bit");
+};
+constexpr bool tiers_ok(const Tier* t, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (t[i].mantissa < 1 || t[i].mantissa > 7 || t[i].binades < 1) return false;
+  return true;
+}
+static_assert(tiers_ok(Codes<true>::kTiers, Spec<true>::kTierCount) && tiers_ok(Codes<false>::kTiers, Spec<false>::kTierCount),
+              "tiers of 1..7 mantissa bits (16 random bits go below them) and at least one binade");
+constexpr uint32_t kSalt = 0x1B873593u;  // encodings._SALT
+
+// The tiers by lookup (32 entries, for the lanes that have a table lookup): encoding by the value's
+// binade over the base (r = t >> 23, 0..SPAN), decoding by k >> (the lowest tier's mantissa bits),
+// where that is 32 entries at most and every tier starts at a multiple of it (else: compares).
+struct TierLut {
+  int32_t shift[32], k[32];
+};
+template <bool EXP_AVG, bool DECODE>
+constexpr TierLut tier_lut() {
+  using S = Spec<EXP_AVG>;
+  TierLut out{};
+  for (int32_t idx = 0; idx < 32; ++idx) {
+    size_t tier = 0;
+    for (size_t i = 1; i < S::kTierCount; ++i)
+      if (DECODE ? (idx << S::kM0) >= S::kRows.row[i].first : idx >= S::kRows.row[i].r0) tier = i;
+    out.shift[idx] = (DECODE ? 23 : 7) - S::kRows.row[tier].mantissa;
+    out.k[idx] = S::kRows.row[tier].k;
+  }
+  return out;
+}
+template <bool EXP_AVG>
+constexpr bool decode_lut_fits() {
+  using S = Spec<EXP_AVG>;
+  if ((S::kMask >> S::kM0) >= 32) return false;
+  for (size_t i = 0; i < S::kTierCount; ++i)
+    if (S::kRows.row[i].first % (1 << S::kM0) != 0) return false;
+  return true;
+}
+template <bool EXP_AVG>
+struct Luts {
+  static constexpr bool kEncode = Spec<EXP_AVG>::kSpan < 32, kDecode = decode_lut_fits<EXP_AVG>();
+  alignas(64) static constexpr TierLut kEnc = tier_lut<EXP_AVG, false>();
+  alignas(64) static constexpr TierLut kDec = tier_lut<EXP_AVG, true>();
+};
+
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 // float32 -> bfloat16 bits, round to nearest even, nan -> 0x7FC0 (c10::BFloat16's rule)
@@ -64,16 +178,84 @@ inline uint16_t bf16_bits(float f) {
   return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float load1(const float* p) { return *p; }
-inline float load1(const at::BFloat16* p) { return bits_to_float(static_cast<uint32_t>(p->x) << 16); }
-inline float load1(const at::Half* p) { return c10::detail::fp16_ieee_to_fp32_value(p->x); }
-inline void store1(float* p, float x) { *p = x; }
-inline void store1(at::BFloat16* p, float x) { p->x = bf16_bits(x); }
-inline void store1(at::Half* p, float x) { p->x = c10::detail::fp16_ieee_from_fp32_value(x); }
-template <typename P> inline float round1(float x) { P r; store1(&r, x); return load1(&r); }
-inline float select1(bool take_b, float a, float b) { return take_b ? b : a; }
-// halfadam.functional.written: another value, nan on either side, or a zero of the other sign
-inline bool written1(float p, float r) { return p != r || std::signbit(p) != std::signbit(r); }
+// ---------------------------------------------------------------- lanes
+// One interface, three implementations: F (float32 lanes), I (int32 lanes), M (a lane mask), H (16-bit
+// lanes). Integer arithmetic wraps (mod 2**32) as torch's int32 ops and the spec's masked int64 ones do;
+// iif/fif(m, yes, no) is m ? yes : no per lane; load/store convert a dtype to float32 and back (stores
+// round to nearest even, as Tensor.copy_).
+struct Lanes1 {
+  static constexpr int W = 1;
+  using F = float;
+  using I = int32_t;
+  using M = bool;
+  static HA_INLINE F set(float x) { return x; }
+  static HA_INLINE I seti(int32_t x) { return x; }
+  static HA_INLINE I iota() { return 0; }
+  static HA_INLINE I bits(F x) { return static_cast<int32_t>(float_to_bits(x)); }
+  static HA_INLINE F fromb(I i) { return bits_to_float(static_cast<uint32_t>(i)); }
+  static HA_INLINE F fsqrt(F x) { return std::sqrt(x); }
+  static HA_INLINE I iadd(I a, I b) { return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b)); }
+  static HA_INLINE I isub(I a, I b) { return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b)); }
+  static HA_INLINE I imul(I a, I b) { return static_cast<int32_t>(static_cast<uint32_t>(a) * static_cast<uint32_t>(b)); }
+  static HA_INLINE I iand(I a, I b) { return a & b; }
+  static HA_INLINE I ior(I a, I b) { return a | b; }
+  static HA_INLINE I ixor(I a, I b) { return a ^ b; }
+  static HA_INLINE I srl(I a, int n) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> n); }
+  static HA_INLINE I sra(I a, int n) { return a >> n; }
+  static HA_INLINE I sll(I a, int n) { return static_cast<int32_t>(static_cast<uint32_t>(a) << n); }
+  static HA_INLINE I srlv(I a, I n) { return static_cast<int32_t>(static_cast<uint32_t>(a) >> n); }
+  static HA_INLINE I sllv(I a, I n) { return static_cast<int32_t>(static_cast<uint32_t>(a) << n); }
+  static HA_INLINE I imax(I a, I b) { return a > b ? a : b; }
+  static HA_INLINE I iabs(I a) { return a < 0 ? isub(0, a) : a; }
+  static HA_INLINE I imin(I a, I b) { return a < b ? a : b; }
+  static HA_INLINE I umax(I a, I b) { return static_cast<uint32_t>(a) > static_cast<uint32_t>(b) ? a : b; }
+  static HA_INLINE I umin(I a, I b) { return static_cast<uint32_t>(a) < static_cast<uint32_t>(b) ? a : b; }
+  static HA_INLINE uint32_t hmax_u(I a) { return static_cast<uint32_t>(a); }
+  static HA_INLINE uint32_t hmin_u(I a) { return static_cast<uint32_t>(a); }
+  static HA_INLINE M ieq(I a, I b) { return a == b; }
+  static HA_INLINE M igt(I a, I b) { return a > b; }
+  static HA_INLINE M fneq(F a, F b) { return a != b; }  // unordered: true where either is nan
+  static HA_INLINE M fnan(F a) { return a != a; }
+  static HA_INLINE M nonfinite(F a) { return (float_to_bits(a) & 0x7F800000u) == 0x7F800000u; }  // nan, +-inf
+  static HA_INLINE M special(F a) { return nonfinite(a) || (float_to_bits(a) << 1) == 0; }     // ... or +-0
+  static HA_INLINE M mor(M a, M b) { return a || b; }
+  static HA_INLINE M mand(M a, M b) { return a && b; }
+  static HA_INLINE M mandn(M a, M b) { return !a && b; }
+  static HA_INLINE M test_mask(M m, I a, int32_t c) { return m && (a & c) != 0; }  // m & ((a & c) != 0)
+  static HA_INLINE I sub_unless(M m, I a, I b) { return m ? 0 : isub(a, b); }      // m ? 0 : a - b
+  static HA_INLINE F fif(M m, F yes, F no) { return m ? yes : no; }
+  static HA_INLINE I iif(M m, I yes, I no) { return m ? yes : no; }
+  static HA_INLINE bool any(M m) { return m; }
+  static HA_INLINE int bitmask(M m) { return m ? 1 : 0; }
+  static HA_INLINE F cvtif(I a) { return static_cast<float>(a); }
+  static HA_INLINE I round_i(F a) { return static_cast<int32_t>(std::nearbyint(a)); }
+  static HA_INLINE F load(const float* p) { return *p; }
+  static HA_INLINE F load(const at::BFloat16* p) { return bits_to_float(static_cast<uint32_t>(p->x) << 16); }
+  static HA_INLINE F load(const at::Half* p) { return c10::detail::fp16_ieee_to_fp32_value(p->x); }
+  static HA_INLINE void store(float* p, F x) { *p = x; }
+  static HA_INLINE void store(at::BFloat16* p, F x) { p->x = bf16_bits(x); }
+  static HA_INLINE I store_bf16(at::BFloat16* p, F x);  // stores round(x), returns it as float32 bits
+  static HA_INLINE void store(at::Half* p, F x) { p->x = c10::detail::fp16_ieee_from_fp32_value(x); }
+  static HA_INLINE I load_u8(const uint8_t* p) { return *p; }
+  static HA_INLINE I load_s8(const int8_t* p) { return *p; }
+  static HA_INLINE void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static HA_INLINE void store_s8(int8_t* p, I x) { *p = static_cast<int8_t>(x); }
+  static HA_INLINE void store_lo8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  // x's lowest byte to lo, its second one to hi (x in -32768..32767)
+  static HA_INLINE void store_bytes(uint8_t* lo, int8_t* hi, I x) { *lo = static_cast<uint8_t>(x); *hi = static_cast<int8_t>(x >> 8); }
+  static HA_INLINE void store_u16(void* p, I x) { *static_cast<uint16_t*>(p) = static_cast<uint16_t>(x); }
+  static HA_INLINE void store_hi16(void* p, I x) { store_u16(p, srl(x, 16)); }  // the upper 16 bits
+  // a lookup in a table of 32 int32 (index in 0..31)
+  static constexpr bool kLut = true;
+  struct Lut {
+    const int32_t* t;
+    int32_t c;
+    bool rev;
+  };
+  static HA_INLINE Lut lut_load(const int32_t* t) { return {t, 0, false}; }
+  static HA_INLINE Lut lut_rev(const int32_t* t, int32_t c) { return {t, c, true}; }  // entries c - t[i]
+  static HA_INLINE I lut(const Lut& l, I idx) { return l.rev ? isub(l.c, l.t[idx & 31]) : l.t[idx & 31]; }
+};
 
 #ifdef HALFADAM_AVX2
 struct V8 {
@@ -82,460 +264,631 @@ struct V8 {
   V8(__m256 v) : x(v) {}
   explicit V8(float f) : x(_mm256_set1_ps(f)) {}
 };
-inline V8 operator+(V8 a, V8 b) { return _mm256_add_ps(a.x, b.x); }
-inline V8 operator-(V8 a, V8 b) { return _mm256_sub_ps(a.x, b.x); }
-inline V8 operator*(V8 a, V8 b) { return _mm256_mul_ps(a.x, b.x); }
-inline V8 operator/(V8 a, V8 b) { return _mm256_div_ps(a.x, b.x); }
-inline V8 sqrt(V8 a) { return _mm256_sqrt_ps(a.x); }
+HA_INLINE V8 operator+(V8 a, V8 b) { return _mm256_add_ps(a.x, b.x); }
+HA_INLINE V8 operator-(V8 a, V8 b) { return _mm256_sub_ps(a.x, b.x); }
+HA_INLINE V8 operator*(V8 a, V8 b) { return _mm256_mul_ps(a.x, b.x); }
+HA_INLINE V8 operator/(V8 a, V8 b) { return _mm256_div_ps(a.x, b.x); }
 
-// float32 bits + 0x7FFF + the lowest kept bit: its upper 16 bits are the bfloat16 rounded to nearest
-// even (c10::BFloat16's rule) for every non-nan value
-inline __m256i bf16_round_up8(__m256i u) {
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-}
-// round(v) to P as 8 x 16 bits (bfloat16: nan -> 0x7FC0), and 16-bit values back to float32
-inline __m128i half_bits8(at::BFloat16, V8 v) {
-  __m256i r = _mm256_srli_epi32(bf16_round_up8(_mm256_castps_si256(v.x)), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v.x, v.x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-inline __m128i half_bits8(at::Half, V8 v) { return _mm256_cvtps_ph(v.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline V8 widen8(at::BFloat16, __m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-inline V8 widen8(at::Half, __m128i h) { return _mm256_cvtph_ps(h); }
-
-inline V8 load8(const float* p) { return _mm256_loadu_ps(p); }
-template <typename P>
-inline V8 load8(const P* p) { return widen8(P(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline void store8(float* p, V8 v) { _mm256_storeu_ps(p, v.x); }
-template <typename P>
-inline void store8(P* p, V8 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), half_bits8(P(), v)); }
-// halfadam.functional.written per lane (all bits set where true): another value (nan on either side:
-// the unordered compare) or a zero of the other sign (the sign bits differ)
-inline V8 written8(V8 p, V8 r) {
-  const __m256i sign = _mm256_srai_epi32(_mm256_xor_si256(_mm256_castps_si256(p.x), _mm256_castps_si256(r.x)), 31);
-  return _mm256_or_ps(_mm256_cmp_ps(p.x, r.x, _CMP_NEQ_UQ), _mm256_castsi256_ps(sign));
-}
-// The master-sync test, written(p, round(w)), per lane.
-template <typename P> inline V8 stale8(V8 p, V8 w) { return written8(p, widen8(P(), half_bits8(P(), w))); }
-template <> inline V8 stale8<float>(V8 p, V8 w) { return written8(p, w); }
-template <> inline V8 stale8<at::BFloat16>(V8 p, V8 w) {
-  // round(w) kept in float32 bits (no packing); a nan w is stale whatever those bits are
-  const __m256i r = _mm256_and_si256(bf16_round_up8(_mm256_castps_si256(w.x)),
-                                     _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm256_or_ps(written8(p, _mm256_castsi256_ps(r)).x, _mm256_cmp_ps(w.x, w.x, _CMP_UNORD_Q));
-}
-// +-0, nan or +-inf: no split remainder is kept over them (encodings._split_decode)
-inline __m256i nonfinite8(V8 x) {  // all bits set where x is nan or +-inf (exponent bits all ones)
-  const __m256i exp_bits = _mm256_and_si256(_mm256_castps_si256(x.x), _mm256_set1_epi32(0x7F800000));
-  return _mm256_cmpeq_epi32(exp_bits, _mm256_set1_epi32(0x7F800000));
-}
-inline V8 no_remainder8(V8 p) {
-  return _mm256_or_ps(_mm256_castsi256_ps(nonfinite8(p)), _mm256_cmp_ps(p.x, _mm256_setzero_ps(), _CMP_EQ_OQ));
-}
-inline V8 select8(V8 take_b, V8 a, V8 b) { return _mm256_blendv_ps(a.x, b.x, take_b.x); }
+struct Lanes8 {
+  static constexpr int W = 8;
+  using F = V8;
+  using I = __m256i;
+  using M = __m256i;  // all bits set where true
+  static HA_INLINE F set(float x) { return V8(x); }
+  static HA_INLINE I seti(int32_t x) { return _mm256_set1_epi32(x); }
+  static HA_INLINE I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static HA_INLINE I bits(F x) { return _mm256_castps_si256(x.x); }
+  static HA_INLINE F fromb(I i) { return _mm256_castsi256_ps(i); }
+  static HA_INLINE F fsqrt(F x) { return _mm256_sqrt_ps(x.x); }
+  static HA_INLINE I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static HA_INLINE I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static HA_INLINE I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static HA_INLINE I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static HA_INLINE I ior(I a, I b) { return _mm256_or_si256(a, b); }
+  static HA_INLINE I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static HA_INLINE I srl(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static HA_INLINE I sra(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static HA_INLINE I sll(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static HA_INLINE I srlv(I a, I n) { return _mm256_srlv_epi32(a, n); }
+  static HA_INLINE I sllv(I a, I n) { return _mm256_sllv_epi32(a, n); }
+  static HA_INLINE I imax(I a, I b) { return _mm256_max_epi32(a, b); }
+  static HA_INLINE I iabs(I a) { return _mm256_abs_epi32(a); }
+  static HA_INLINE I imin(I a, I b) { return _mm256_min_epi32(a, b); }
+  static HA_INLINE I umax(I a, I b) { return _mm256_max_epu32(a, b); }
+  static HA_INLINE I umin(I a, I b) { return _mm256_min_epu32(a, b); }
+  static HA_INLINE uint32_t hmax_u(I a) {
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+  }
+  static HA_INLINE uint32_t hmin_u(I a) {
+    __m128i h = _mm_min_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+  }
+  static HA_INLINE M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  static HA_INLINE M igt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  static HA_INLINE M fneq(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, b.x, _CMP_NEQ_UQ)); }
+  static HA_INLINE M fnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, a.x, _CMP_UNORD_Q)); }
+  static HA_INLINE M nonfinite(F a) {
+    const I e = _mm256_and_si256(bits(a), _mm256_set1_epi32(0x7F800000));
+    return _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7F800000));
+  }
+  static HA_INLINE M special(F a) { return mor(nonfinite(a), _mm256_cmpeq_epi32(sll(bits(a), 1), _mm256_setzero_si256())); }
+  static HA_INLINE M mor(M a, M b) { return _mm256_or_si256(a, b); }
+  static HA_INLINE M mand(M a, M b) { return _mm256_and_si256(a, b); }
+  static HA_INLINE M mandn(M a, M b) { return _mm256_andnot_si256(a, b); }
+  static HA_INLINE M test_mask(M m, I a, int32_t c) {
+    return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(a, _mm256_set1_epi32(c)), _mm256_setzero_si256()), m);
+  }
+  static HA_INLINE I sub_unless(M m, I a, I b) { return _mm256_andnot_si256(m, _mm256_sub_epi32(a, b)); }
+  static HA_INLINE F fif(M m, F yes, F no) { return _mm256_blendv_ps(no.x, yes.x, _mm256_castsi256_ps(m)); }
+  static HA_INLINE I iif(M m, I yes, I no) { return _mm256_blendv_epi8(no, yes, m); }
+  static HA_INLINE bool any(M m) { return !_mm256_testz_si256(m, m); }
+  static HA_INLINE int bitmask(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)); }
+  static HA_INLINE F cvtif(I a) { return _mm256_cvtepi32_ps(a); }
+  static HA_INLINE I round_i(F a) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static HA_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static HA_INLINE F load(const at::BFloat16* p) {
+    return fromb(sll(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static HA_INLINE F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static HA_INLINE void store(float* p, F x) { _mm256_storeu_ps(p, x.x); }
+  static HA_INLINE void store(at::BFloat16* p, F x);
+  static HA_INLINE I store_bf16(at::BFloat16* p, F x);  // stores round(x), returns it as float32 bits
+  static HA_INLINE void store(at::Half* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static HA_INLINE I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static HA_INLINE I load_s8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static HA_INLINE void store_u8(uint8_t* p, I x) {  // values in 0..255
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
+  static HA_INLINE void store_s8(int8_t* p, I x) {  // values in -128..127
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  }
+  static HA_INLINE void store_lo8(uint8_t* p, I x) { store_u8(p, _mm256_and_si256(x, _mm256_set1_epi32(255))); }
+  static HA_INLINE void store_bytes(uint8_t* lo, int8_t* hi, I x) { store_lo8(lo, x); store_s8(hi, sra(x, 8)); }
+  static HA_INLINE void store_u16(void* p, I x) {  // values in 0..65535
+    _mm_storeu_si128(static_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  }
+  static HA_INLINE void store_hi16(void* p, I x) { store_u16(p, srl(x, 16)); }  // the upper 16 bits
+  static constexpr bool kLut = false;  // 8-entry permutes only: the tiers by compares
+  struct Lut {};
+  static HA_INLINE Lut lut_load(const int32_t*) { return {}; }
+  static HA_INLINE Lut lut_rev(const int32_t*, int32_t) { return {}; }
+  static HA_INLINE I lut(const Lut&, I idx) { return idx; }
+};
 #endif
 
-using std::sqrt;
-
-template <typename V>
-struct Coefficients {
-  V decay_factor, l2, step_size, sqrt_bias_correction2, one_minus_beta1, beta2, one_minus_beta2, eps, grad_scale;
-  explicit Coefficients(const float* c)
-      : decay_factor(c[0]), l2(c[1]), step_size(c[2]), sqrt_bias_correction2(c[3]), one_minus_beta1(c[4]),
-        beta2(c[5]), one_minus_beta2(c[6]), eps(c[7]), grad_scale(c[8]) {}
+#ifdef HALFADAM_AVX512
+struct V16 {
+  __m512 x;
+  V16() = default;
+  V16(__m512 v) : x(v) {}
+  explicit V16(float f) : x(_mm512_set1_ps(f)) {}
 };
+HA_INLINE V16 operator+(V16 a, V16 b) { return _mm512_add_ps(a.x, b.x); }
+HA_INLINE V16 operator-(V16 a, V16 b) { return _mm512_sub_ps(a.x, b.x); }
+HA_INLINE V16 operator*(V16 a, V16 b) { return _mm512_mul_ps(a.x, b.x); }
+HA_INLINE V16 operator/(V16 a, V16 b) { return _mm512_div_ps(a.x, b.x); }
 
-// halfadam.functional.adam_elementwise_, one lane (or 8) at a time
-template <bool L2, bool OPTIMIZED, typename V>
-inline void adam_lanes(V& w, V g, V& m, V& v, const Coefficients<V>& c) {
-  if (L2) g = g + c.l2 * w; else w = w * c.decay_factor;
-  m = m + (g - m) * c.one_minus_beta1;
-  v = v * c.beta2 + (g * c.one_minus_beta2) * g;
-  const V d = OPTIMIZED ? sqrt(v) + c.eps : sqrt(v) / c.sqrt_bias_correction2 + c.eps;
-  w = w - (m / d) * c.step_size;
+struct Lanes16 {
+  static constexpr int W = 16;
+  using F = V16;
+  using I = __m512i;
+  using M = __mmask16;
+  static HA_INLINE F set(float x) { return V16(x); }
+  static HA_INLINE I seti(int32_t x) { return _mm512_set1_epi32(x); }
+  static HA_INLINE I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static HA_INLINE I bits(F x) { return _mm512_castps_si512(x.x); }
+  static HA_INLINE F fromb(I i) { return _mm512_castsi512_ps(i); }
+  static HA_INLINE F fsqrt(F x) { return _mm512_sqrt_ps(x.x); }
+  static HA_INLINE I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static HA_INLINE I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static HA_INLINE I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static HA_INLINE I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static HA_INLINE I ior(I a, I b) { return _mm512_or_si512(a, b); }
+  static HA_INLINE I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static HA_INLINE I srl(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static HA_INLINE I sra(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static HA_INLINE I sll(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static HA_INLINE I srlv(I a, I n) { return _mm512_srlv_epi32(a, n); }
+  static HA_INLINE I sllv(I a, I n) { return _mm512_sllv_epi32(a, n); }
+  static HA_INLINE I imax(I a, I b) { return _mm512_max_epi32(a, b); }
+  static HA_INLINE I iabs(I a) { return _mm512_abs_epi32(a); }
+  static HA_INLINE I imin(I a, I b) { return _mm512_min_epi32(a, b); }
+  static HA_INLINE I umax(I a, I b) { return _mm512_max_epu32(a, b); }
+  static HA_INLINE I umin(I a, I b) { return _mm512_min_epu32(a, b); }
+  static HA_INLINE uint32_t hmax_u(I a) { return static_cast<uint32_t>(_mm512_reduce_max_epu32(a)); }
+  static HA_INLINE uint32_t hmin_u(I a) { return static_cast<uint32_t>(_mm512_reduce_min_epu32(a)); }
+  static HA_INLINE M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static HA_INLINE M igt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  static HA_INLINE M fneq(F a, F b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_NEQ_UQ); }
+  static HA_INLINE M fnan(F a) { return _mm512_cmp_ps_mask(a.x, a.x, _CMP_UNORD_Q); }
+#ifdef __AVX512DQ__  // vfpclassps: 0x01 quiet nan, 0x02 +0, 0x04 -0, 0x08 +inf, 0x10 -inf, 0x80 signalling nan
+  static HA_INLINE M nonfinite(F a) { return _mm512_fpclass_ps_mask(a.x, 0x99); }
+  static HA_INLINE M special(F a) { return _mm512_fpclass_ps_mask(a.x, 0x9F); }
+#else
+  static HA_INLINE M nonfinite(F a) {
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits(a), _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F800000));
+  }
+  static HA_INLINE M special(F a) { return mor(nonfinite(a), _mm512_testn_epi32_mask(sll(bits(a), 1), sll(bits(a), 1))); }
+#endif
+  static HA_INLINE M mor(M a, M b) { return static_cast<M>(a | b); }
+  static HA_INLINE M mand(M a, M b) { return static_cast<M>(a & b); }
+  static HA_INLINE M mandn(M a, M b) { return static_cast<M>(~a & b); }
+  static HA_INLINE M test_mask(M m, I a, int32_t c) { return _mm512_mask_test_epi32_mask(m, a, _mm512_set1_epi32(c)); }
+  static HA_INLINE I sub_unless(M m, I a, I b) { return _mm512_maskz_sub_epi32(static_cast<M>(~m), a, b); }
+  static HA_INLINE F fif(M m, F yes, F no) { return _mm512_mask_blend_ps(m, no.x, yes.x); }
+  static HA_INLINE I iif(M m, I yes, I no) { return _mm512_mask_blend_epi32(m, no, yes); }
+  static HA_INLINE bool any(M m) { return m != 0; }
+  static HA_INLINE int bitmask(M m) { return static_cast<int>(m); }
+  static HA_INLINE F cvtif(I a) { return _mm512_cvtepi32_ps(a); }
+  static HA_INLINE I round_i(F a) { return _mm512_cvt_roundps_epi32(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static HA_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  // bfloat16 -> float32: each 16-bit value into the upper half of its lane (one word permute, the
+  // lower halves zeroed by the mask)
+  static HA_INLINE I widen_hi16(__m256i h) {
+    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0,
+                                         2, 0, 1, 0, 0, 0);
+    return _mm512_maskz_permutexvar_epi16(static_cast<__mmask32>(0xAAAAAAAAu), idx, _mm512_castsi256_si512(h));
+  }
+  static HA_INLINE F load(const at::BFloat16* p) { return fromb(widen_hi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))); }
+  // the upper 16 bits of each lane to p (one word permute)
+  static HA_INLINE void store_hi16(void* p, I x) {
+    const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 31, 29, 27, 25, 23, 21, 19, 17, 15,
+                                         13, 11, 9, 7, 5, 3, 1);
+    _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, x)));
+  }
+  static HA_INLINE F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static HA_INLINE void store(float* p, F x) { _mm512_storeu_ps(p, x.x); }
+  static HA_INLINE void store(at::BFloat16* p, F x);
+  static HA_INLINE I store_bf16(at::BFloat16* p, F x);  // stores round(x), returns it as float32 bits
+  static HA_INLINE void store(at::Half* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static HA_INLINE I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static HA_INLINE I load_s8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static HA_INLINE void store_u8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static HA_INLINE void store_s8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static HA_INLINE void store_lo8(uint8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static HA_INLINE void store_bytes(uint8_t* lo, int8_t* hi, I x) {
+#ifdef __AVX512VBMI__  // one byte permute: the lanes' first bytes, then their second ones
+    const __m512i idx = _mm512_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        0, 0, 0, 0, 61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1, 60, 56,
+                                        52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+    const __m512i b = _mm512_permutexvar_epi8(idx, x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_castsi512_si128(b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_extracti32x4_epi32(b, 1));
+#else
+    store_lo8(lo, x);
+    store_s8(hi, sra(x, 8));
+#endif
+  }
+  static HA_INLINE void store_u16(void* p, I x) { _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x)); }
+  static constexpr bool kLut = true;  // vpermt2d: 32 entries in two registers
+  struct Lut {
+    __m512i lo, hi;
+  };
+  static HA_INLINE Lut lut_load(const int32_t* t) { return {_mm512_loadu_si512(t), _mm512_loadu_si512(t + 16)}; }
+  static HA_INLINE Lut lut_rev(const int32_t* t, int32_t c) {  // entries c - t[i]
+    return {isub(seti(c), _mm512_loadu_si512(t)), isub(seti(c), _mm512_loadu_si512(t + 16))};
+  }
+  static HA_INLINE I lut(const Lut& l, I idx) { return _mm512_permutex2var_epi32(l.lo, idx, l.hi); }
+};
+#endif
+
+// ---------------------------------------------------------------- shared lane logic
+// float32 bits + 0x7FFF + the lowest kept bit: its upper 16 bits are the bfloat16 rounded to nearest
+// even (c10::BFloat16's rule) for every non-nan value; the lower 16 cleared: that value in float32
+template <class L>
+HA_INLINE typename L::I bf16_round_bits(typename L::F x) {
+  const typename L::I u = L::bits(x);
+  const typename L::I up = L::iadd(L::iadd(u, L::seti(0x7FFF)), L::iand(L::srl(u, 16), L::seti(1)));
+  return L::iand(up, L::seti(static_cast<int32_t>(0xFFFF0000u)));
 }
-
-// ---------------------------------------------------------------- state encodings (halfadam.encodings)
-enum class Master { kNone, kFp32, kSplit };
-constexpr int64_t BLOCK = 128;  // encodings.BLOCK
-
-// encodings._random_bits of an element's position x with the seed folded in:
-// seed_term = (step * 0x27D4EB2F + salt) mod 2**32
-inline uint32_t hash1(uint32_t x, uint32_t seed_term) {
-  uint32_t h = x ^ seed_term;
-  h = (h ^ (h >> 16)) * 0x7FEB352Du;
-  h = (h ^ (h >> 15)) * 0x2C1B3C6Du;
-  h = (h ^ (h >> 16)) * 0x297A2D39u;
-  return h ^ (h >> 15);
+// round(x) to bfloat16 as float32 bits, nan -> 0x7FC00000 (the stored parameter's bits)
+template <class L>
+HA_INLINE typename L::I bf16_rounded(typename L::F x) {
+  return L::iif(L::fnan(x), L::seti(0x7FC00000), bf16_round_bits<L>(x));
 }
-// encodings._encode_moment_ for bfloat16: add 16 random bits below bf16's, truncate
-// (position: the element's index in its parameter)
-inline void store_moment1(float* p, float x, uint32_t, uint32_t) { *p = x; }
-inline void store_moment1(at::BFloat16* p, float x, uint32_t seed_term, uint32_t position) {
-  const uint32_t u = float_to_bits(x);
-  p->x = static_cast<uint16_t>((u + (hash1(position, seed_term) >> 16)) >> 16);
+// round(x) to bfloat16 stored at p; returns the rounded values as float32 bits
+HA_INLINE Lanes1::I Lanes1::store_bf16(at::BFloat16* p, F x) {
+  const I r = bf16_rounded<Lanes1>(x);
+  store_u16(p, srl(r, 16));
+  return r;
+}
+#ifdef HALFADAM_AVX2
+HA_INLINE Lanes8::I Lanes8::store_bf16(at::BFloat16* p, F x) {
+  const I r = bf16_rounded<Lanes8>(x);
+  store_u16(p, srl(r, 16));
+  return r;
+}
+HA_INLINE void Lanes8::store(at::BFloat16* p, F x) { store_bf16(p, x); }
+#endif
+#ifdef HALFADAM_AVX512
+// vcvtneps2bf16 rounds to nearest even in one instruction but flushes denormal inputs to zero: a vector
+// with one rounds by integers (the pattern of a nan may differ: any nan is a nan)
+HA_INLINE Lanes16::I Lanes16::store_bf16(at::BFloat16* p, F x) {
+#ifdef __AVX512BF16__
+  if (_mm512_fpclass_ps_mask(x.x, 0x20) == 0) {
+    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x.x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return widen_hi16(h);
+  }
+#endif
+  const I r = bf16_rounded<Lanes16>(x);
+  store_hi16(p, r);
+  return r;
+}
+HA_INLINE void Lanes16::store(at::BFloat16* p, F x) { store_bf16(p, x); }
+#endif
+
+// round(x) to P, as a float32 (P = float: x itself)
+template <class L> HA_INLINE typename L::F round_to(float, typename L::F x) { return x; }
+template <class L> HA_INLINE typename L::F round_to(at::BFloat16, typename L::F x) { return L::fromb(bf16_rounded<L>(x)); }
+template <class L> HA_INLINE typename L::F round_to(at::Half, typename L::F x) {
+  at::Half h;
+  L::store(&h, x);
+  return L::load(&h);
+}
+#ifdef HALFADAM_AVX2
+template <> HA_INLINE V8 round_to<Lanes8>(at::Half, V8 x) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+#ifdef HALFADAM_AVX512
+template <> HA_INLINE V16 round_to<Lanes16>(at::Half, V16 x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// halfadam.functional.written: another value (nan on either side: an unordered compare) or a zero of
+// the other sign (the sign bits differ)
+template <class L>
+HA_INLINE typename L::M written(typename L::F p, typename L::F r) {
+  return L::mor(L::fneq(p, r), L::igt(L::seti(0), L::ixor(L::bits(p), L::bits(r))));
+}
+// The master-sync test, written(p, round(w)).
+template <class L, typename P>
+HA_INLINE typename L::M stale(typename L::F p, typename L::F w) {
+  if constexpr (std::is_same<P, at::BFloat16>::value)  // a nan w is stale whatever its rounded bits are
+    return L::mor(written<L>(p, L::fromb(bf16_round_bits<L>(w))), L::fnan(w));
+  else
+    return written<L>(p, round_to<L>(P(), w));
 }
 // encodings._fp16_ulp: 2**(max(e, -14) - 10) for |x| in [2**e, 2**(e+1)), from x's float32 bits
-inline float fp16_ulp1(float x) {
-  const int32_t e = std::max<int32_t>(static_cast<int32_t>((float_to_bits(x) >> 23) & 0xFF), 127 - 14);
-  return bits_to_float(static_cast<uint32_t>(e - 10) << 23);
-}
-// encodings._split_decode for one element, before the master-sync check: p + remainder r
-inline float split_decode1(at::BFloat16, float p, int32_t r) {
-  return bits_to_float(float_to_bits(p) + static_cast<uint32_t>(r));
-}
-inline float split_decode1(at::Half, float p, int32_t r) {
-  return p + static_cast<float>(r) * (fp16_ulp1(p) * (1.0f / 65536.0f));
-}
-// encodings._split_remainder of w over its rounding rounded (a float32 holding the fp16/bf16 value)
-inline int32_t split_remainder1(at::BFloat16, float w, float rounded) {
-  if (!std::isfinite(rounded)) return 0;  // never decoded; 0 whatever the nan pattern
-  return static_cast<int32_t>(float_to_bits(w) - float_to_bits(rounded));
-}
-inline int32_t split_remainder1(at::Half, float w, float rounded) {
-  if (!std::isfinite(rounded)) return 0;
-  return static_cast<int32_t>(std::nearbyint((w - rounded) / fp16_ulp1(rounded) * 65536.0f));
+template <class L>
+HA_INLINE typename L::F fp16_ulp(typename L::F x) {
+  typename L::I e = L::iand(L::srl(L::bits(x), 23), L::seti(0xFF));
+  e = L::imax(e, L::seti(127 - 14));
+  return L::fromb(L::sll(L::isub(e, L::seti(10)), 23));
 }
 
-#ifdef HALFADAM_AVX2
-inline __m256i hash8(__m256i x, __m256i seed_term) {
-  __m256i h = _mm256_xor_si256(x, seed_term);
-  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), _mm256_set1_epi32(0x7FEB352D));
-  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 15)), _mm256_set1_epi32(0x2C1B3C6D));
-  h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), _mm256_set1_epi32(0x297A2D39));
-  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+// encodings._random_bits of an element's position x with the seed folded in:
+// seed_term = (step * 0x27D4EB2F + _SALT) mod 2**32
+template <class L>
+HA_INLINE typename L::I hash(typename L::I x, typename L::I seed_term) {
+  typename L::I h = L::ixor(x, seed_term);
+  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x7FEB352D));
+  h = L::imul(L::ixor(h, L::srl(h, 15)), L::seti(0x2C1B3C6D));
+  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x297A2D39));
+  return L::ixor(h, L::srl(h, 15));
 }
-inline void store_moment8(float* p, V8 x, __m256i, __m256i) { store8(p, x); }
-inline void store_moment8(at::BFloat16* p, V8 x, __m256i seed_term, __m256i positions) {
-  const __m256i u = _mm256_castps_si256(x.x);
-  const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(hash8(positions, seed_term), 16)), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+// hash of the W positions position0 + lane (mod 2**32). Where position0 is a multiple of W, the
+// lanes differ in bits below 16 only: x = position0 ^ seed_term is one value, and the first round's
+// h ^ (h >> 16) is (x ^ (x >> 16)) ^ lane.
+template <class L>
+HA_INLINE typename L::I hash_at(uint32_t position0, uint32_t seed_term) {
+  using I = typename L::I;
+  if (L::W == 1 || (position0 & (L::W - 1)) != 0)
+    return hash<L>(L::iadd(L::seti(static_cast<int32_t>(position0)), L::iota()), L::seti(static_cast<int32_t>(seed_term)));
+  const uint32_t x = position0 ^ seed_term;
+  I h = L::imul(L::ixor(L::seti(static_cast<int32_t>(x ^ (x >> 16))), L::iota()), L::seti(0x7FEB352D));
+  h = L::imul(L::ixor(h, L::srl(h, 15)), L::seti(0x2C1B3C6D));
+  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x297A2D39));
+  return L::ixor(h, L::srl(h, 15));
 }
-inline V8 fp16_ulp8(V8 x) {
-  __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x.x), 23), _mm256_set1_epi32(0xFF));
-  e = _mm256_max_epi32(e, _mm256_set1_epi32(127 - 14));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(10)), 23));
+// encodings._moment_bits: exp_avg's 16 random bits are the hash's upper half, exp_avg_sq's its lower
+template <class L, bool EXP_AVG>
+HA_INLINE typename L::I moment_bits(typename L::I h) {
+  return EXP_AVG ? L::srl(h, 16) : L::iand(h, L::seti(0xFFFF));
 }
-inline V8 split_decode8(at::BFloat16, V8 p, __m256i r) {
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p.x), r));
-}
-inline V8 split_decode8(at::Half, V8 p, __m256i r) {
-  return p + V8(_mm256_cvtepi32_ps(r)) * (fp16_ulp8(p) * V8(1.0f / 65536.0f));
-}
-inline __m256i split_remainder8(at::BFloat16, V8 w, V8 rounded) {
-  return _mm256_andnot_si256(nonfinite8(rounded), _mm256_sub_epi32(_mm256_castps_si256(w.x), _mm256_castps_si256(rounded.x)));
-}
-inline __m256i split_remainder8(at::Half, V8 w, V8 rounded) {
-  const V8 q = (w - rounded) / fp16_ulp8(rounded) * V8(65536.0f);
-  const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(q.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  return _mm256_andnot_si256(nonfinite8(rounded), r);
-}
-#endif
 
-// ---------------------------------------------------------------- uint8 moments (_decode_moment, _encode_moment_)
-// One block of BLOCK elements at a time, through a float buffer: the block is decoded (table value
-// times |absmax|), the update runs on the buffer as on float32 moments, then the block is encoded:
-// absmax over the finite values, y = x / absmax (a division, as encodings.py's), the code, and the
-// absmax stored with its sign bit set where the block holds a nan or an inf (a "flagged" block, with
-// reserved codes for them). The code is defined by exact float32 comparisons with the tables
-// (encodings._dynamic_nearest's rule, and the largest exp_avg_sq level <= y): the decade found by
-// comparisons and a log2 estimate from the exponent bits and a polynomial only pick the candidates,
-// so the bytes are encodings.py's whatever either side's log10/log2 rounds to. Flagged blocks take
-// the scalar path (rare: a nan or inf gradient); others are encoded 8 lanes at a time.
-struct Tables {  // encodings.tables(), float32 values copied bit for bit, and the estimates' constants
-  alignas(32) float dyn[256];      // the signed dynamic map (exp_avg: index = (code + 127) & 255)
-  alignas(32) float dyn_by_code[256];  // dyn[(code + 127) & 255]
-  alignas(32) float levels[264];   // exp_avg_sq levels by code; [256..]: 1.0
-  float decades[7];                // 10**(i - 6): the decade thresholds
-  // per decade i: its levels' coordinate tk = a * k_slope[i] + k_offset[i] ((a / 10**(i-6) - 0.1) * 2**i / 0.9
-  // - 0.5: level k at tk = k), and 2**i
-  alignas(32) float k_slope[8], k_offset[8], pow2[8];
-  alignas(32) float below_mid[8];  // per decade i: the midpoint of its lowest value and the one below it
-  float top_mid;                   // the midpoint of the largest value below 1.0 and 1.0
+// ---------------------------------------------------------------- uint8 moments
+// A block's decoding or encoding constants from its base exponent (mod 2**32, whatever the stored byte):
+// unit_bits = base << 23, and unit, that float (2**(base - 127)).
+struct BlockCode {
+  int32_t unit_bits;
+  float unit;
+  static BlockCode of(int32_t base) {
+    const uint32_t ub = static_cast<uint32_t>(base) << 23;
+    return {static_cast<int32_t>(ub), bits_to_float(ub)};
+  }
 };
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();  // 0x7FC00000, torch's math.nan
-// log2(1 + f) ~ f * (C[0] + C[1] f + C[2] f^2 + C[3] f^3 + C[4] f^4) on [0, 1), |error| < 3e-5 (a
-// least-squares fit; 3e-4 of a code), evaluated as f * ((C[0] + C[1] f) + f^2 (C[2] + C[3] f) + f^4 C[4])
-constexpr float kLog2C[5] = {1.4418258666992188f, -0.7086828351020813f, 0.4154243767261505f, -0.19442591071128845f,
-                             0.04588700830936432f};
-constexpr float kCodesPerOctave = 254.0f / 24.0f;  // encodings.V_OCTAVES
-
-#ifdef HALFADAM_AVX2
-inline void store_codes8(uint8_t* p, __m256i c) {  // 8 values in 0..255 -> 8 bytes
-  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
-}
-// table[index] and table[index + 1] per lane: eight 8-byte loads (AVX2's gathers are 3x slower on the
-// AMD Zen 3 this was measured on)
-inline void load_pairs8(const float* table, __m256i index, __m256* at, __m256* next) {
-  const __m128i lo = _mm256_castsi256_si128(index), hi = _mm256_extracti128_si256(index, 1);
-  const uint64_t q[4] = {static_cast<uint64_t>(_mm_cvtsi128_si64(lo)), static_cast<uint64_t>(_mm_extract_epi64(lo, 1)),
-                         static_cast<uint64_t>(_mm_cvtsi128_si64(hi)), static_cast<uint64_t>(_mm_extract_epi64(hi, 1))};
-  __m128 pair[4];  // lanes 2j, 2j + 1: (table[i], table[i + 1]) twice
-  for (int j = 0; j < 4; ++j) {
-    const __m128 low = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(table + static_cast<uint32_t>(q[j]))));
-    pair[j] = _mm_loadh_pi(low, reinterpret_cast<const __m64*>(table + (q[j] >> 32)));
+// The tier of each lane's magnitude code k (decode) or of its value's bits less unit_bits, t (encode),
+// by compares: the shift 23 - mantissa (decode) or 7 - mantissa (encode), and the tier's entry of `ks`
+// (the tiers' k, or for decoding unit_bits - k); for a code or value above the subnormals (those take
+// the lowest tier's, fixed by the callers).
+template <class L, bool EXP_AVG, bool DECODE>
+HA_INLINE void tier_of(typename L::I key, const int32_t* ks, typename L::I* shift, typename L::I* k) {
+  using S = Spec<EXP_AVG>;
+  constexpr int kBase = DECODE ? 23 : 7;
+  *shift = L::seti(kBase - S::kRows.row[0].mantissa);
+  *k = L::seti(ks[0]);
+  for (size_t i = 1; i < S::kTierCount; ++i) {  // unrolled: the rows are constants
+    const TierRow& row = S::kRows.row[i];
+    const typename L::M taken = DECODE ? L::igt(key, L::seti(row.first - 1)) : L::igt(key, L::seti((row.r0 << 23) - 1));
+    *shift = L::iif(taken, L::seti(kBase - row.mantissa), *shift);
+    *k = L::iif(taken, L::seti(ks[i]), *k);
   }
-  const __m256 ac = _mm256_set_m128(pair[2], pair[0]), bd = _mm256_set_m128(pair[3], pair[1]);
-  *at = _mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(2, 0, 2, 0));
-  *next = _mm256_shuffle_ps(ac, bd, _MM_SHUFFLE(3, 1, 3, 1));
 }
-inline __m256 load_codes8(const float* table, const uint8_t* c) {  // table[c[0..7]]
-  const __m128 lo = _mm_setr_ps(table[c[0]], table[c[1]], table[c[2]], table[c[3]]);
-  const __m128 hi = _mm_setr_ps(table[c[4]], table[c[5]], table[c[6]], table[c[7]]);
-  return _mm256_set_m128(hi, lo);
-}
-
-#endif
-
-// encodings._dynamic_nearest for one y in [-1, 1]: the index j in 127..255 with the smallest float32
-// |dyn[j] - |y||, ties to the lower index, mirrored (max(254 - j, 0)) for y < 0. c is the nearer of
-// the two map values around |y| (its coordinate is within 2e-5 of a spacing), so c - 1, c, c + 1 hold both.
-inline int32_t dyn_nearest1(float y, const Tables& t) {
-  const float a = std::fabs(y);
-  int i = 0;
-  for (int d = 0; d < 6; ++d) i += a >= t.decades[d] ? 1 : 0;
-  float k = std::nearbyint(a * t.k_slope[i] + t.k_offset[i]);
-  k = std::min(std::max(k, 0.0f), t.pow2[i] - 1.0f);
-  const int32_t c = 127 + (1 << i) + static_cast<int32_t>(k);  // 128..254
-  int32_t best = c - 1;
-  float best_err = std::fabs(t.dyn[best] - a);
-  for (int32_t j = c; j <= c + 1; ++j) {
-    const float err = std::fabs(t.dyn[j] - a);
-    if (err < best_err) best = j, best_err = err;
-  }
-  return y < 0.0f ? std::max(254 - best, 0) : best;
-}
-// floor(255 + log2(y) * 254 / 24) clamped to 1..254, estimated (within one code of the exact one)
-inline int32_t level_estimate1(float y) {
-  const uint32_t u = float_to_bits(y);
-  const float f = bits_to_float((u & 0x7FFFFFu) | 0x3F800000u) - 1.0f;
-  const float f2 = f * f;
-  const float l = static_cast<float>(static_cast<int32_t>((u >> 23) & 0xFFu) - 127) +
-                  f * ((kLog2C[0] + kLog2C[1] * f) + f2 * (kLog2C[2] + kLog2C[3] * f) + (f2 * f2) * kLog2C[4]);
-  return static_cast<int32_t>(std::min(std::max(std::floor(255.0f + l * kCodesPerOctave), 1.0f), 254.0f));
-}
-// the largest code in 1..254 whose level is <= y (1 below the range), at least `lowest`
-inline int32_t level_code1(float y, int32_t lowest, const Tables& t) {
-  int32_t lo = level_estimate1(y);
-  lo += (t.levels[lo + 1] <= y ? 1 : 0) - (t.levels[lo] > y ? 1 : 0);
-  return std::max(std::min(std::max(lo, 1), 254), lowest);
-}
-
-// Decode n elements of one block (stored absmax `absmax`) into out.
 template <bool EXP_AVG>
-void decode_block(const uint8_t* codes, float absmax, int64_t n, float* out, const Tables& t) {
-  const float* table = EXP_AVG ? t.dyn : t.levels;
-  const int32_t shift = EXP_AVG ? 127 : 0;  // exp_avg stores (index - 127) & 255: code 0 is 0.0
-  const float scale = std::fabs(absmax);
-  const bool flagged = std::signbit(absmax);
-  int64_t j = 0;
-#ifdef HALFADAM_AVX2
-  if (!flagged) {
-    const float* by_code = EXP_AVG ? t.dyn_by_code : t.levels;
-    const V8 vscale(scale);
-    for (; j + 8 <= n; j += 8) store8(out + j, V8(load_codes8(by_code, codes + j)) * vscale);
+struct TierKs {  // the tiers' k, in an array
+  int32_t k[Spec<EXP_AVG>::kTierCount];
+  constexpr TierKs() : k{} {
+    for (size_t i = 0; i < Spec<EXP_AVG>::kTierCount; ++i) k[i] = Spec<EXP_AVG>::kRows.row[i].k;
   }
-#endif
-  for (; j < n; ++j) {
-    const int32_t index = (static_cast<int32_t>(codes[j]) + shift) & 255;
-    float x = table[index] * scale;
-    if (flagged) {  // encodings._NONFINITE
-      if (EXP_AVG) x = index == 128 ? kInf : index == 126 ? -kInf : index == 129 ? kNaN : x;
-      else x = index == 1 ? kInf : index == 2 ? kNaN : x;
+};
+
+// A uint8 moment's decoder for one block (its stored base): per code, the bits (k << shift) + uk with
+// uk = unit_bits - the tier's k (a subnormal code: unit_bits, less unit after).
+template <class L, bool EXP_AVG>
+struct Decoder {
+  using I = typename L::I;
+  static constexpr bool kLut = L::kLut && Luts<EXP_AVG>::kDecode;
+  BlockCode bc;
+  typename L::Lut shift_lut, uk_lut;
+  int32_t uk[Spec<EXP_AVG>::kTierCount];
+  explicit Decoder(const BlockCode& code) : bc(code) {
+    if constexpr (kLut) {
+      shift_lut = L::lut_load(Luts<EXP_AVG>::kDec.shift);
+      uk_lut = L::lut_rev(Luts<EXP_AVG>::kDec.k, bc.unit_bits);
+    } else {
+      for (size_t i = 0; i < Spec<EXP_AVG>::kTierCount; ++i)
+        uk[i] = static_cast<int32_t>(static_cast<uint32_t>(bc.unit_bits) - static_cast<uint32_t>(Spec<EXP_AVG>::kRows.row[i].k));
     }
-    out[j] = x;
   }
-}
+  HA_INLINE void tier(I k, I* shift, I* ukv) const {
+    if constexpr (kLut) {
+      const I idx = L::srl(k, Spec<EXP_AVG>::kM0);
+      *shift = L::lut(shift_lut, idx);
+      *ukv = L::lut(uk_lut, idx);
+    } else {
+      tier_of<L, EXP_AVG, true>(k, uk, shift, ukv);
+    }
+  }
+};
 
-// The block's absmax over its finite values, and whether it holds a nan or an inf.
-inline float block_absmax(const float* x, bool* flagged) {
-  float absmax = 0.0f;
-  bool nonfinite = false;
-  int64_t j = 0;
-#ifdef HALFADAM_AVX2
-  __m256 mx = _mm256_setzero_ps();
-  __m256i bad = _mm256_setzero_si256();
-  for (; j + 8 <= BLOCK; j += 8) {
-    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + j)), _mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), bits);
-    mx = _mm256_max_ps(mx, _mm256_castsi256_ps(_mm256_and_si256(bits, finite)));
-    bad = _mm256_or_si256(bad, _mm256_andnot_si256(finite, _mm256_set1_epi32(-1)));
+// encodings._decode_moment for uint8 codes (encodings._decode_magnitude; then the reserved codes and
+// exp_avg's sign bit). NORMAL: every code is of a tier's binades (codes_normal), none subnormal or reserved.
+template <class L, bool EXP_AVG, bool NORMAL>
+HA_INLINE typename L::F decode_u8(typename L::I code, const Decoder<L, EXP_AVG>& d) {
+  using I = typename L::I;
+  using S = Spec<EXP_AVG>;
+  const I k = EXP_AVG ? L::iand(code, L::seti(S::kMask)) : code;
+  I shift, uk;
+  d.tier(k, &shift, &uk);
+  typename L::F value;
+  if (NORMAL) {
+    value = L::fromb(L::iadd(L::sllv(k, shift), uk));
+  } else {  // a subnormal code: (k << (23 - mantissa)) + unit_bits, less unit
+    const typename L::M sub = L::igt(L::seti(1 << S::kM0), k);
+    value = L::fromb(L::iadd(L::sllv(k, shift), L::iif(sub, L::seti(d.bc.unit_bits), uk)));
+    value = L::fif(sub, value - L::set(d.bc.unit), value);
+    value = L::fif(L::ieq(k, L::seti(S::kInf)), L::set(std::numeric_limits<float>::infinity()), value);
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-  absmax = _mm_cvtss_f32(h);
-  nonfinite = !_mm256_testz_si256(bad, bad);
-#endif
-  for (; j < BLOCK; ++j) {
-    if (std::isfinite(x[j])) absmax = std::max(absmax, std::fabs(x[j]));
-    else nonfinite = true;
-  }
-  *flagged = nonfinite;
-  return absmax;
+  if (EXP_AVG)  // the sign bit (a nan's is dropped below)
+    value = L::fromb(L::ixor(L::bits(value), L::sll(L::iand(code, L::seti(128)), 24)));
+  if (!NORMAL)
+    value = L::fif(L::ieq(k, L::seti(S::kNan)), L::set(std::numeric_limits<float>::quiet_NaN()), value);
+  return value;
 }
-
-// encodings._encode_moment_ for one block, element by element (any block, flagged ones included)
+// Whether every code of a whole block is of a tier's binades (2**mantissa of the lowest tier up to the
+// reserved codes; codes above the tiers' top decode by the top tier, as the spec does them)
 template <bool EXP_AVG>
-void encode_block1(const float* x, uint8_t* codes, float den, bool flagged, uint32_t position0, uint32_t seed_term,
-                   const Tables& t) {
-  for (int64_t j = 0; j < BLOCK; ++j) {
-    const float xj = x[j];
-    const bool finite = std::isfinite(xj);
-    const float xf = finite ? xj : 0.0f;
-    const float y = xf / den;
-    int32_t code;
-    if (EXP_AVG) {
-      int32_t index = dyn_nearest1(y, t);
-      if (flagged && (index == 126 || index == 128 || index == 129)) index = 127;  // reserved: to 0.0
-      if (!finite) index = xj == kInf ? 128 : xj == -kInf ? 126 : 129;
-      code = (index - 127) & 255;
-    } else {  // stochastic rounding between the level below y and the next; nonzero never to 0
-      const int32_t lo = level_code1(y, flagged ? 3 : 1, t);  // codes 1, 2 mean inf, nan in a flagged block
-      const float v_lo = t.levels[lo], v_hi = t.levels[lo + 1];
-      const float p = std::min(std::max((y - v_lo) / (v_hi - v_lo), 0.0f), 1.0f);
-      const uint32_t bits = hash1(position0 + static_cast<uint32_t>(j), seed_term);
-      const float u = static_cast<float>(bits >> 8) * (1.0f / 16777216.0f);  // encodings._uniform
-      code = xf > 0.0f ? lo + (u < p ? 1 : 0) : 0;
-      if (!finite) code = xj == kInf ? 1 : 2;
-    }
-    codes[j] = static_cast<uint8_t>(code);
-  }
-}
-
-#ifdef HALFADAM_AVX2
-// encode_block1's exp_avg codes for a block without nan or inf, 8 lanes at a time, with no table: away
-// from the midpoint between two map values (more than 1e-3 of their spacing inside a decade, 1e-4
-// relative at a decade's edge, where the computed coordinate's error is below 2e-5 and 1e-7) the
-// nearest value is the one on its side, whatever the float32 distances round to; 8 lanes with one
-// nearer a midpoint (about 1 in 60) take dyn_nearest1, which compares the distances.
-inline void encode_exp_avg8(const float* x, uint8_t* codes, float den, const Tables& t) {
-  const __m256 vden = _mm256_set1_ps(den), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
-  const __m256 k_slope = _mm256_load_ps(t.k_slope), k_offset = _mm256_load_ps(t.k_offset);
-  const __m256 pow2 = _mm256_load_ps(t.pow2), below_mid = _mm256_load_ps(t.below_mid);
-  const __m256 top_mid = _mm256_set1_ps(t.top_mid);
-  __m256 decade[6];
-  for (int d = 0; d < 6; ++d) decade[d] = _mm256_set1_ps(t.decades[d]);
-  for (int64_t j = 0; j < BLOCK; j += 8) {
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), vden);
-    const __m256 a = _mm256_andnot_ps(sign, y);
-    __m256i ge[6];  // the decade: how many thresholds a reaches (masks are -1), summed as a tree
-    for (int d = 0; d < 6; ++d) ge[d] = _mm256_castps_si256(_mm256_cmp_ps(a, decade[d], _CMP_GE_OQ));
-    const __m256i ge4 = _mm256_add_epi32(_mm256_add_epi32(ge[0], ge[1]), _mm256_add_epi32(ge[2], ge[3]));
-    const __m256i i = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(ge4, _mm256_add_epi32(ge[4], ge[5])));
-    const __m256 lev = _mm256_permutevar8x32_ps(pow2, i);
-    // the level coordinate in the decade: level k at tk = k (its values are 1e-5 of a spacing off)
-    const __m256 tk = (V8(a) * V8(_mm256_permutevar8x32_ps(k_slope, i)) + V8(_mm256_permutevar8x32_ps(k_offset, i))).x;
-    const __m256 r = _mm256_round_ps(tk, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 k = _mm256_min_ps(_mm256_max_ps(r, zero), _mm256_sub_ps(lev, _mm256_set1_ps(1.0f)));
-    __m256i c = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_add_ps(_mm256_set1_ps(127.0f), lev), k));
-    // below the decade's lowest level: it, or the value below (the previous decade's top, or 0)
-    const __m256 mid = _mm256_permutevar8x32_ps(below_mid, i);
-    const __m256 lower = _mm256_and_ps(_mm256_cmp_ps(tk, zero, _CMP_LT_OQ), _mm256_cmp_ps(a, mid, _CMP_LT_OQ));
-    c = _mm256_add_epi32(c, _mm256_castps_si256(lower));  // -1 where lower
-    c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, top_mid, _CMP_GT_OQ)));  // above the last: 1.0
-    // near a midpoint: inside the decade (its midpoints are at tk = 0.5 .. 2**i - 1.5), or at its edges
-    const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(tk, zero, _CMP_GT_OQ),
-                                        _mm256_cmp_ps(tk, _mm256_sub_ps(lev, _mm256_set1_ps(1.0f)), _CMP_LT_OQ));
-    const __m256 off_mid = _mm256_andnot_ps(sign, _mm256_sub_ps(tk, r));  // 0.5 at a midpoint
-    const __m256 near_inside = _mm256_and_ps(inside, _mm256_cmp_ps(off_mid, _mm256_set1_ps(0.5f - 1e-3f), _CMP_GT_OQ));
-    const __m256 near_below = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(a, mid)),
-                                            _mm256_mul_ps(mid, _mm256_set1_ps(1e-4f)), _CMP_LE_OQ);
-    const __m256 near_top = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(a, top_mid)), _mm256_set1_ps(1e-4f),
-                                          _CMP_LE_OQ);
-    const __m256 near_mid = _mm256_or_ps(near_inside, _mm256_or_ps(near_below, near_top));
-    if (!_mm256_testz_ps(near_mid, near_mid)) {
-      alignas(32) float ys[8];
-      _mm256_store_ps(ys, y);
-      for (int l = 0; l < 8; ++l) codes[j + l] = static_cast<uint8_t>((dyn_nearest1(ys[l], t) - 127) & 255);
-      continue;
-    }
-    const __m256i mirrored = _mm256_max_epi32(_mm256_sub_epi32(_mm256_set1_epi32(254), c), _mm256_setzero_si256());
-    const __m256i index = _mm256_blendv_epi8(c, mirrored, _mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_LT_OQ)));
-    store_codes8(codes + j, _mm256_and_si256(_mm256_sub_epi32(index, _mm256_set1_epi32(127)), _mm256_set1_epi32(255)));
-  }
-}
-// encode_block1's exp_avg_sq codes for a block without nan or inf, 8 lanes at a time: the estimate,
-// the pair of levels there, and the exact correction (level_code1; about 1 in 2000 lanes needs one)
-inline void encode_exp_avg_sq8(const float* x, uint8_t* codes, float den, uint32_t position0, uint32_t seed_term,
-                               const Tables& t) {
-  const __m256 vden = _mm256_set1_ps(den);
-  const __m256i seed = _mm256_set1_epi32(static_cast<int>(seed_term)), one = _mm256_set1_epi32(1);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 zero = _mm256_setzero_ps();
-  for (int64_t j = 0; j < BLOCK; j += 8) {
-    const __m256 xf = _mm256_loadu_ps(x + j);
-    const __m256 y = _mm256_div_ps(xf, vden);
-    const __m256i u = _mm256_castps_si256(y);  // the estimate (level_estimate1)
-    const V8 f = V8(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFF)),
-                                                        _mm256_set1_epi32(0x3F800000)))) - V8(1.0f);
-    const V8 e(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xFF)),
-                                                   _mm256_set1_epi32(127))));
-    const V8 f2 = f * f, K(kCodesPerOctave);  // 255 + log2(y) * K, the polynomial's coefficients times K
-    const V8 q = (V8(kLog2C[0] * kCodesPerOctave) + V8(kLog2C[1] * kCodesPerOctave) * f) +
-                 f2 * (V8(kLog2C[2] * kCodesPerOctave) + V8(kLog2C[3] * kCodesPerOctave) * f) +
-                 (f2 * f2) * V8(kLog2C[4] * kCodesPerOctave);
-    __m256 est = _mm256_round_ps((V8(255.0f) + e * K + f * q).x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    est = _mm256_min_ps(_mm256_max_ps(est, _mm256_set1_ps(1.0f)), _mm256_set1_ps(254.0f));
-    __m256i lo = _mm256_cvttps_epi32(est);
-    __m256 v_lo, v_hi;
-    load_pairs8(t.levels, lo, &v_lo, &v_hi);
-    const __m256i up = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(v_hi, y, _CMP_LE_OQ)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(254), lo));
-    const __m256i down = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(v_lo, y, _CMP_GT_OQ)),
-                                          _mm256_cmpgt_epi32(lo, one));
-    const __m256i moved = _mm256_or_si256(up, down);
-    if (!_mm256_testz_si256(moved, moved)) {
-      lo = _mm256_add_epi32(_mm256_sub_epi32(lo, up), down);  // masks are -1
-      load_pairs8(t.levels, lo, &v_lo, &v_hi);
-    }
-    __m256 p = _mm256_div_ps((V8(y) - V8(v_lo)).x, _mm256_sub_ps(v_hi, v_lo));
-    p = _mm256_min_ps(_mm256_max_ps(p, zero), _mm256_set1_ps(1.0f));
-    const uint32_t first = position0 + static_cast<uint32_t>(j);
-    const __m256i positions = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), lanes);
-    const __m256 uniform = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hash8(positions, seed), 8)),
-                                         _mm256_set1_ps(1.0f / 16777216.0f));
-    const __m256i code = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(uniform, p, _CMP_LT_OQ)));
-    store_codes8(codes + j, _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(xf, zero, _CMP_GT_OQ))));
-  }
-}
-#endif
-
-// Encode one block: x holds BLOCK values (past the parameter's end: the padding's zeros); the first n
-// codes are written to `out` (the padding's code, 0, is not), the stored absmax to *absmax_out.
-template <bool EXP_AVG>
-void encode_block(const float* x, uint8_t* out, int64_t n, float* absmax_out, uint32_t position0, uint32_t seed_term,
-                  const Tables& t) {
-  bool flagged;
-  const float absmax = block_absmax(x, &flagged);
-  const float den = absmax > 0.0f ? absmax : 1.0f;
-  alignas(32) uint8_t local[BLOCK];
-  uint8_t* codes = n == BLOCK ? out : local;
-#ifdef HALFADAM_AVX2
-  if (!flagged) {
-    if (EXP_AVG) encode_exp_avg8(x, codes, den, t);
-    else encode_exp_avg_sq8(x, codes, den, position0, seed_term, t);
-  } else {
-    encode_block1<EXP_AVG>(x, codes, den, true, position0, seed_term, t);
-  }
+inline bool codes_normal(const uint8_t* c) {
+  using S = Spec<EXP_AVG>;
+  constexpr uint8_t kMask = static_cast<uint8_t>(S::kMask);
+  constexpr uint8_t kLow = 1 << S::kM0;
+  constexpr uint8_t kSpan = static_cast<uint8_t>(S::kReserved - 1 - kLow);  // k - kLow <= kSpan
+#if defined(HALFADAM_AVX512)
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>(kMask)), low = _mm512_set1_epi8(static_cast<char>(kLow));
+  const __m512i span = _mm512_set1_epi8(static_cast<char>(kSpan));
+  const __m512i a = _mm512_sub_epi8(_mm512_and_si512(_mm512_loadu_si512(c), mask), low);
+  const __m512i b = _mm512_sub_epi8(_mm512_and_si512(_mm512_loadu_si512(c + 64), mask), low);
+  return (_mm512_cmpgt_epu8_mask(a, span) | _mm512_cmpgt_epu8_mask(b, span)) == 0;
+#elif defined(HALFADAM_AVX2)
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>(kMask)), low = _mm256_set1_epi8(static_cast<char>(kLow));
+  __m256i top = _mm256_setzero_si256();
+  for (int j = 0; j < BLOCK; j += 32)
+    top = _mm256_max_epu8(top, _mm256_sub_epi8(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j)), mask), low));
+  const __m256i over = _mm256_cmpeq_epi8(_mm256_min_epu8(top, _mm256_set1_epi8(static_cast<char>(kSpan))), top);
+  return _mm256_movemask_epi8(over) == -1;
 #else
-  encode_block1<EXP_AVG>(x, codes, den, flagged, position0, seed_term, t);
+  for (int j = 0; j < BLOCK; ++j)
+    if (static_cast<uint8_t>((c[j] & kMask) - kLow) > kSpan) return false;
+  return true;
 #endif
-  if (codes != out) std::memcpy(out, codes, static_cast<size_t>(n));
-  *absmax_out = flagged ? -absmax : absmax;
 }
+// Decode n codes of one block into out (a whole block of codes_normal ones by the shorter path).
+template <class L, bool EXP_AVG>
+HA_INLINE void decode_block(const uint8_t* codes, int64_t n, const BlockCode& bc, float* out) {
+  const Decoder<L, EXP_AVG> d(bc);
+  int64_t j = 0;
+  if (L::W > 1 && n == BLOCK && codes_normal<EXP_AVG>(codes)) {
+    for (; j < BLOCK; j += L::W) L::store(out + j, decode_u8<L, EXP_AVG, true>(L::load_u8(codes + j), d));
+    return;
+  }
+  for (; j + L::W <= n; j += L::W) L::store(out + j, decode_u8<L, EXP_AVG, false>(L::load_u8(codes + j), d));
+  if (j < n) {
+    const Decoder<Lanes1, EXP_AVG> d1(bc);
+    for (; j < n; ++j) out[j] = decode_u8<Lanes1, EXP_AVG, false>(codes[j], d1);
+  }
+}
+
+// The tiers of encoding: by the value's binade over the base (t >> 23) where the lanes have a lookup,
+// else by compares.
+template <class L, bool EXP_AVG>
+struct Encoder {
+  using I = typename L::I;
+  static constexpr bool kLut = L::kLut && Luts<EXP_AVG>::kEncode;
+  static constexpr TierKs<EXP_AVG> kKs{};
+  typename L::Lut shift_lut, k_lut;
+  Encoder() {
+    if constexpr (kLut) {
+      shift_lut = L::lut_load(Luts<EXP_AVG>::kEnc.shift);
+      k_lut = L::lut_load(Luts<EXP_AVG>::kEnc.k);
+    }
+  }
+  // t >= 0 unless !NORMAL (then a subnormal's, t < 0, comes out as the lowest tier's)
+  template <bool NORMAL>
+  HA_INLINE void tier(I t, I* shift, I* k) const {
+    if constexpr (kLut) {
+      I idx = L::sra(t, 23);
+      if (!NORMAL) idx = L::imax(idx, L::seti(0));
+      *shift = L::lut(shift_lut, idx);
+      *k = L::lut(k_lut, idx);
+    } else {
+      tier_of<L, EXP_AVG, false>(t, kKs.k, shift, k);
+    }
+  }
+};
+
+// encodings._encode_moment_ for uint8 of float32 x over a block's new base (BlockCode bc) with the
+// element's hash h. encodings._encode_magnitude with its offsets written out: for t = the magnitude's
+// bits - unit_bits (its binade over the base in bits 23 and up) in a tier, ((t + k) >> (23 - mantissa)),
+// rounded with the 16 random bits added below the kept ones: (((t + k) >> (7 - mantissa)) + bits) >> 16
+// (t + k >= 0: the same integer); a subnormal one (t < 0) uses the bits of a + unit less unit_bits.
+// NORMAL: every value of the block is finite with a magnitude >= unit (and exp_avg_sq's is >= 0), so
+// that no lane needs a selection of its own.
+template <class L, bool EXP_AVG, bool NORMAL>
+HA_INLINE typename L::I encode_u8(typename L::F x, typename L::I h, const BlockCode& bc, const Encoder<L, EXP_AVG>& en) {
+  using I = typename L::I;
+  using M = typename L::M;
+  using S = Spec<EXP_AVG>;
+  const I b = L::bits(x);
+  const I mag = EXP_AVG || !NORMAL ? L::iand(b, L::seti(0x7FFFFFFF)) : b;
+  M nf{};
+  I a = mag;
+  if (!NORMAL) {  // the finite magnitude (0 for nan and inf)
+    nf = L::igt(mag, L::seti(0x7F7FFFFF));
+    a = L::iif(nf, L::seti(0), mag);
+  }
+  const I unit_bits = L::seti(bc.unit_bits);
+  const I t = L::isub(a, unit_bits);
+  I shift, tk;
+  en.template tier<NORMAL>(t, &shift, &tk);
+  I y = L::iadd(t, tk);
+  if (!NORMAL) {  // subnormals: the bits of a + unit (k = 0)
+    const M sub = L::igt(L::seti(0), t);
+    y = L::iif(sub, L::isub(L::bits(L::fromb(a) + L::set(bc.unit)), unit_bits), y);
+  }
+  const I k = L::srl(L::iadd(L::srlv(y, shift), moment_bits<L, EXP_AVG>(h)), 16);
+  if (EXP_AVG) {  // the sign bit; nan (its sign dropped) and +-inf
+    const I sign = L::iand(L::srl(b, 24), L::seti(128));
+    if (NORMAL) return L::ior(k, sign);
+    const M nan = L::igt(mag, L::seti(0x7F800000));
+    const I code = L::iif(nf, L::iif(nan, L::seti(S::kNan), L::seti(S::kInf)), k);
+    return L::ior(code, L::iif(nan, L::seti(0), sign));
+  }
+  if (NORMAL) return k;  // >= 2**mantissa
+  // exp_avg_sq: x > 0 (a positive float's bits, signed, are > 0) never to 0; x <= 0 to 0; +inf, and
+  // nan (-inf too)
+  const I code = L::iif(L::igt(b, L::seti(0)), L::imax(k, L::seti(1)), L::seti(0));
+  return L::iif(nf, L::iif(L::ieq(b, L::seti(0x7F800000)), L::seti(S::kInf), L::seti(S::kNan)), code);
+}
+
+// A block's new values' running extremes, kept by the loop: exp_avg's of bits << 1 (the magnitude),
+// exp_avg_sq's of the bits themselves (a sign bit, nan and inf are all above +inf's), as unsigned.
+struct Extremes {
+  uint32_t max, min;
+};
+// The block's base exponent (encodings._block_base: max(E - SPAN, 1) for E the biased exponent of its
+// largest finite magnitude) and whether encode_u8<NORMAL> applies to all of it.
+struct Plan {
+  int32_t base;
+  bool normal;
+};
+// The largest bits << 1 of x[0..n)'s finite values (the exact maximum for a block with a nan or an inf)
+inline uint32_t finite_max2(const float* x, int64_t n) {
+  uint32_t mx = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t m2 = float_to_bits(x[j]) << 1;
+    if (m2 < 0xFF000000u) mx = std::max(mx, m2);
+  }
+  return mx;
+}
+template <bool EXP_AVG>
+inline Plan plan(const float* x, int64_t n, Extremes e) {
+  constexpr int32_t kSpan = Spec<EXP_AVG>::kSpan;
+  if (EXP_AVG) {
+    if (e.max >= 0xFF000000u) return {std::max(static_cast<int32_t>(finite_max2(x, n) >> 24) - kSpan, 1), false};
+    const int32_t base = std::max(static_cast<int32_t>(e.max >> 24) - kSpan, 1);
+    return {base, e.min >= static_cast<uint32_t>(base) << 24};
+  }
+  if (e.max >= 0x7F800000u) return {std::max(static_cast<int32_t>(finite_max2(x, n) >> 24) - kSpan, 1), false};
+  const int32_t base = std::max(static_cast<int32_t>(e.max >> 23) - kSpan, 1);
+  return {base, e.min >= static_cast<uint32_t>(base) << 23};
+}
+// The running extremes as the loop keeps them, of n values
+template <bool EXP_AVG>
+inline Extremes extremes(const float* x, int64_t n) {
+  Extremes e{0, 0xFFFFFFFFu};
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t b = EXP_AVG ? float_to_bits(x[j]) << 1 : float_to_bits(x[j]);
+    e.max = std::max(e.max, b), e.min = std::min(e.min, b);
+  }
+  return e;
+}
+
+// Encode n values of one block (mx: exp_avg's new values, vx: exp_avg_sq's), writing n codes each and
+// the block's scale. One hash per element serves both moments.
+template <class L, bool M8, bool V8, bool NORMAL_M, bool NORMAL_V>
+HA_INLINE void encode_lanes(const float* mx, const float* vx, uint8_t* mc, uint8_t* vc, int64_t n, const BlockCode& mb,
+                            const BlockCode& vb, uint32_t position0, uint32_t seed_term) {
+  using I = typename L::I;
+  const Encoder<L, true> me;
+  const Encoder<L, false> ve;
+  for (int64_t j = 0; j + L::W <= n; j += L::W) {
+    const I h = hash_at<L>(position0 + static_cast<uint32_t>(j), seed_term);
+    if (M8) L::store_u8(mc + j, encode_u8<L, true, NORMAL_M>(L::load(mx + j), h, mb, me));
+    if (V8) L::store_u8(vc + j, encode_u8<L, false, NORMAL_V>(L::load(vx + j), h, vb, ve));
+  }
+}
+template <class L, bool M8, bool V8>
+void encode_block(const float* mx, const float* vx, uint8_t* mc, uint8_t* vc, int64_t n, Extremes me, Extremes ve,
+                  uint8_t* m_scale, uint8_t* v_scale, uint32_t position0, uint32_t seed_term) {
+  const Plan mp = M8 ? plan<true>(mx, n, me) : Plan{1, true}, vp = V8 ? plan<false>(vx, n, ve) : Plan{1, true};
+  if (M8) *m_scale = static_cast<uint8_t>(mp.base);
+  if (V8) *v_scale = static_cast<uint8_t>(vp.base);
+  const BlockCode mb = BlockCode::of(mp.base), vb = BlockCode::of(vp.base);
+  const int64_t body = L::W > 1 ? n / L::W * L::W : 0;
+  if (mp.normal && vp.normal) encode_lanes<L, M8, V8, true, true>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
+  else if (mp.normal) encode_lanes<L, M8, V8, true, false>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
+  else if (vp.normal) encode_lanes<L, M8, V8, false, true>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
+  else encode_lanes<L, M8, V8, false, false>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
+  if (body < n)
+    encode_lanes<Lanes1, M8, V8, false, false>(mx + body, vx + body, mc + body, vc + body, n - body, mb, vb,
+                                               position0 + static_cast<uint32_t>(body), seed_term);
+}
+
+// ---------------------------------------------------------------- the step
+enum class Master { kNone, kFp32, kSplit };
 
 struct Item {
   void* param;
   const void* grad;
   int64_t numel;
-  int64_t offset;  // into the flat state buffers (a multiple of BLOCK with a split master or a uint8 moment)
+  int64_t offset;    // into the flat state buffers (a multiple of BLOCK with a split master or a uint8 moment)
   int64_t position;  // its first element's index in its whole parameter (a shard's; the random bits' positions)
 };
 
@@ -544,241 +897,274 @@ struct Step {
   int8_t* master_hi;        // split master (Master::kSplit): remainder bytes and per-block tie lane + 1
   uint8_t* master_lo;
   uint8_t* master_tie;
-  void* exp_avg;            // float32 or bfloat16 (MA), float32 or bfloat16 (MV), or uint8 codes (MA / MV float)
+  void* exp_avg;            // float32, bfloat16 or uint8 codes (MA), and the same for exp_avg_sq (MV)
   void* exp_avg_sq;
-  float* exp_avg_absmax;    // uint8 moments: one stored absmax per block (else null)
-  float* exp_avg_sq_absmax;
-  const Tables* tables;     // uint8 moments: encodings.tables()
-  float c[9];               // adam_coefficients, then the gradient scale (1 without one: g * 1 == g exactly)
-  uint32_t seed_exp_avg, seed_exp_avg_sq;  // hash seeds of the stochastic rounding (bfloat16 moments, uint8 exp_avg_sq)
+  uint8_t* exp_avg_scale;   // uint8 moments: one base exponent per block (else null)
+  uint8_t* exp_avg_sq_scale;
+  float c[9];               // adam_coefficients, then the gradient scale
+  bool scaled;              // a gradient scale (else c[8] is not applied)
+  bool l2, optimized;       // decay "l2" (else decoupled); optimized_update
+  uint32_t seed_term;       // the random bits' seed (the step and the salt)
 };
 
-// Elements a..b (a a multiple of BLOCK) of one parameter. P: the parameter's dtype, G: the gradient's,
-// MS: how the master is kept (kNone: the parameter, float32, is the weight), MA / MV: exp_avg's and
-// exp_avg_sq's dtypes, float for float32 and uint8 (a runtime branch per block: a uint8 moment's
-// block is decoded into a float buffer, updated there and encoded).
-template <typename P, typename G, Master MS, typename MA, typename MV, bool L2, bool OPTIMIZED>
-void run(const Step& s, const Item& it, int64_t a, int64_t b) {
+template <class L>
+struct Coefficients {
+  typename L::F decay_factor, l2, step_size, sqrt_bias_correction2, one_minus_beta1, beta2, one_minus_beta2, eps,
+      grad_scale;
+  explicit Coefficients(const float* c)
+      : decay_factor(L::set(c[0])), l2(L::set(c[1])), step_size(L::set(c[2])), sqrt_bias_correction2(L::set(c[3])),
+        one_minus_beta1(L::set(c[4])), beta2(L::set(c[5])), one_minus_beta2(L::set(c[6])), eps(L::set(c[7])),
+        grad_scale(L::set(c[8])) {}
+};
+
+// The per-block values the lanes of one block share.
+template <class L>
+struct Block {
+  int64_t start;           // the block's first element (an index into the parameter)
+  int32_t tie_lane = -1;   // split: the lane whose remainder is +2**15 (decode)
+  int32_t first_tie = -1;  // split: the first new remainder of +2**15 (encode)
+  float* m_buf;            // uint8 moments: the block's values, decoded, then updated in place
+  float* v_buf;
+  typename L::I m_max, m_min, v_max, v_min;  // ... and their new values' running extremes (Extremes)
+};
+
+template <typename T> constexpr bool is_u8 = std::is_same<T, uint8_t>::value;
+template <typename T> constexpr bool is_bf16 = std::is_same<T, at::BFloat16>::value;
+
+// A moment's lanes at state index e (block lane j): float32, bfloat16, or a uint8 moment's decoded value.
+template <class L, typename MT>
+HA_INLINE typename L::F load_moment(const void* state, int64_t e, const float* buf) {
+  if constexpr (is_u8<MT>) return L::load(buf);
+  else return L::load(static_cast<const MT*>(state) + e);
+}
+// ... and the new value stored: float32; bfloat16 by stochastic rounding (add 16 random bits below
+// bf16's, truncate: encodings._encode_moment_; a nan as bf16's nan); uint8: into the block's buffer, with its extremes.
+template <class L, typename MT, bool EXP_AVG>
+HA_INLINE void store_moment(void* state, int64_t e, typename L::F x, typename L::I h, float* buf, typename L::I& mx,
+                            typename L::I& mn) {
+  if constexpr (is_u8<MT>) {
+    L::store(buf, x);
+    const typename L::I b = EXP_AVG ? L::sll(L::bits(x), 1) : L::bits(x);
+    mx = L::umax(mx, b);
+    mn = L::umin(mn, b);
+  } else if constexpr (is_bf16<MT>) {
+    // a nan is stored as bfloat16's (its bits plus the random ones could carry into the sign bit)
+    L::store_hi16(static_cast<at::BFloat16*>(state) + e,
+                  L::iif(L::fnan(x), L::seti(0x7FC00000), L::iadd(L::bits(x), moment_bits<L, EXP_AVG>(h))));
+  } else {
+    L::store(static_cast<float*>(state) + e, x);
+  }
+}
+
+// Elements i .. i + W - 1 of one parameter (all in block `blk`). P: the parameter's dtype, G: the
+// gradient's, MS: how the master is kept (kNone: the parameter, float32, is the weight), MA / MV:
+// exp_avg's and exp_avg_sq's dtypes (float, at::BFloat16 or uint8_t).
+template <class L, typename P, typename G, Master MS, typename MA, typename MV>
+HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Block<L>& blk, int64_t i) {
+  using F = typename L::F;
+  using I = typename L::I;
   P* param = static_cast<P*>(it.param);
   const G* grad = static_cast<const G*>(it.grad);
-  constexpr bool kMayQuantizeM = std::is_same<MA, float>::value, kMayQuantizeV = std::is_same<MV, float>::value;
-  const bool m8 = kMayQuantizeM && s.exp_avg_absmax != nullptr, v8 = kMayQuantizeV && s.exp_avg_sq_absmax != nullptr;
-  MA* const m_state = m8 ? nullptr : static_cast<MA*>(s.exp_avg) + it.offset;
-  MV* const v_state = v8 ? nullptr : static_cast<MV*>(s.exp_avg_sq) + it.offset;
-  uint8_t* const m_codes = m8 ? static_cast<uint8_t*>(s.exp_avg) + it.offset : nullptr;
-  uint8_t* const v_codes = v8 ? static_cast<uint8_t*>(s.exp_avg_sq) + it.offset : nullptr;
-  alignas(32) float m_block[kMayQuantizeM ? BLOCK : 1], v_block[kMayQuantizeV ? BLOCK : 1];
-  float* master = MS == Master::kFp32 ? s.master + it.offset : nullptr;
-  const Coefficients<float> c1(s.c);
-#ifdef HALFADAM_AVX2
-  const Coefficients<V8> c8(s.c);
-  const __m256i seed_m = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg));
-  const __m256i seed_v = _mm256_set1_epi32(static_cast<int>(s.seed_exp_avg_sq));
-#endif
+  const int64_t e = it.offset + i;                        // the state index
+  const int32_t j = static_cast<int32_t>(i - blk.start);  // the lane in the block
+  F w, p;
+  F g = L::load(grad + i);
+  if (s.scaled) g = g * c.grad_scale;
+  if constexpr (MS == Master::kNone) {
+    w = L::load(reinterpret_cast<const float*>(param) + i);
+  } else {
+    p = L::load(param + i);
+    if constexpr (MS == Master::kFp32) {
+      w = L::load(s.master + e);
+      w = L::fif(stale<L, P>(p, w), p, w);  // master sync
+    } else {  // r = hi * 256 + lo, + 65536 in the block's tie lane
+      I r = L::iadd(L::sll(L::load_s8(s.master_hi + e), 8), L::load_u8(s.master_lo + e));
+      if (static_cast<uint32_t>(blk.tie_lane - j) < static_cast<uint32_t>(L::W))
+        r = L::iif(L::ieq(L::iota(), L::seti(blk.tie_lane - j)), L::iadd(r, L::seti(65536)), r);
+      if constexpr (is_bf16<P>) {
+        // master = p + r in bits; no remainder over +-0, nan or inf; and the master sync: for such a p
+        // the bits p + r round to nearest even (in bits: exact) to p exactly where |r| + (p odd) <= 2**15.
+        // Outside the tie lane r is in [-2**15, 2**15 - 1] (whatever the bytes): only r = -2**15 over an
+        // odd p is written.
+        const I pb = L::bits(p), wb = L::iadd(pb, r);
+        typename L::M drop;
+        if (static_cast<uint32_t>(blk.tie_lane - j) < static_cast<uint32_t>(L::W))
+          drop = L::igt(L::iadd(L::iabs(r), L::iand(L::srl(pb, 16), L::seti(1))), L::seti(32768));
+        else  // r == -2**15 and p odd
+          drop = L::test_mask(L::ieq(r, L::seti(-32768)), pb, 0x10000);
+        w = L::fif(L::mor(L::special(p), drop), p, L::fromb(wb));
+      } else {  // p + r * ulp(p) / 2**16
+        w = p + L::cvtif(r) * (fp16_ulp<L>(p) * L::set(1.0f / 65536.0f));
+        w = L::fif(L::mor(L::special(p), stale<L, P>(p, w)), p, w);
+      }
+    }
+  }
+  F m = load_moment<L, MA>(s.exp_avg, e, blk.m_buf + j);
+  F v = load_moment<L, MV>(s.exp_avg_sq, e, blk.v_buf + j);
+  // halfadam.functional.adam_elementwise_
+  if (s.l2) g = g + c.l2 * w; else w = w * c.decay_factor;
+  m = m + (g - m) * c.one_minus_beta1;
+  v = v * c.beta2 + (g * c.one_minus_beta2) * g;
+  const F root = L::fsqrt(v);
+  const F d = s.optimized ? root + c.eps : root / c.sqrt_bias_correction2 + c.eps;
+  w = w - (m / d) * c.step_size;
+  I h{};
+  if constexpr (is_bf16<MA> || is_bf16<MV>)
+    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term);
+  store_moment<L, MA, true>(s.exp_avg, e, m, h, blk.m_buf + j, blk.m_max, blk.m_min);
+  store_moment<L, MV, false>(s.exp_avg_sq, e, v, h, blk.v_buf + j, blk.v_max, blk.v_min);
+  if constexpr (MS == Master::kFp32) L::store(s.master + e, w);
+  if constexpr (MS == Master::kSplit) {  // round once: the parameter's bits, and the remainder over them
+    I q;
+    if constexpr (is_bf16<P>) {
+      // remainder: the difference of bit patterns, 0 over a nan or an infinity; within [-2**15, 2**15]
+      const I rb = L::store_bf16(param + i, w);
+      q = L::sub_unless(L::nonfinite(L::fromb(rb)), L::bits(w), rb);
+    } else {  // (w - rounded) / ulp(rounded) * 2**16, to nearest
+      L::store(param + i, w);
+      const F rounded = round_to<L>(P(), w);
+      const F ratio = (w - rounded) / fp16_ulp<L>(rounded) * L::set(65536.0f);
+      q = L::imax(L::iif(L::nonfinite(rounded), L::seti(0), L::round_i(ratio)), L::seti(-32768));
+    }
+    // the tie rule: the block's first remainder of +2**15 is stored as -2**15 (flagged by the tie
+    // byte), any other is clamped to 2**15 - 1 with the rest
+    const int ties = L::bitmask(L::ieq(q, L::seti(32768)));
+    q = L::imin(q, L::seti(32767));
+    if (ties != 0 && blk.first_tie < 0) {
+      const int lane = __builtin_ctz(static_cast<unsigned>(ties));
+      blk.first_tie = j + lane;
+      q = L::iif(L::ieq(L::iota(), L::seti(lane)), L::seti(-32768), q);
+    }
+    L::store_bytes(s.master_lo + e, s.master_hi + e, q);
+  } else if constexpr (MS != Master::kNone) {
+    L::store(param + i, w);
+  } else {
+    L::store(reinterpret_cast<float*>(param) + i, w);
+  }
+}
+
+// Elements a..b (a a multiple of BLOCK) of one parameter, W lanes at a time (L), the tail one at a time.
+template <class L, typename P, typename G, Master MS, typename MA, typename MV>
+void run(const Step& step, const Item& item, int64_t a, int64_t b) {
+  constexpr bool kM8 = is_u8<MA>, kV8 = is_u8<MV>;
+  const Step s = step;  // local copies: the stores through byte pointers cannot change them
+  const Item it = item;
+  const Coefficients<L> cl(s.c);
+  const Coefficients<Lanes1> c1(s.c);
+  alignas(64) float m_buf[kM8 ? BLOCK : 1], v_buf[kV8 ? BLOCK : 1];
   for (int64_t start = a; start < b; start += BLOCK) {
-    const int64_t end = std::min(start + BLOCK, b);
-    int32_t tie_lane = -1;   // split: the lane whose remainder is +2**15 (decode)
-    int32_t first_tie = -1;  // split: the first new remainder of +2**15 (encode)
-    if constexpr (MS == Master::kSplit) tie_lane = static_cast<int32_t>(s.master_tie[(it.offset + start) / BLOCK]) - 1;
-    // this block's moments from element `start` on: the state's, or a uint8 moment's decoded block
+    const int64_t end = std::min(start + BLOCK, b), n = end - start;
     const int64_t block = (it.offset + start) / BLOCK;
-    MA* m = m_state ? m_state + start : nullptr;
-    MV* v = v_state ? v_state + start : nullptr;
-    if constexpr (kMayQuantizeM) {
-      if (m8) {
-        decode_block<true>(m_codes + start, s.exp_avg_absmax[block], end - start, m_block, *s.tables);
-        m = m_block;
-      }
-    }
-    if constexpr (kMayQuantizeV) {
-      if (v8) {
-        decode_block<false>(v_codes + start, s.exp_avg_sq_absmax[block], end - start, v_block, *s.tables);
-        v = v_block;
-      }
-    }
+    uint8_t* const m_codes = kM8 ? static_cast<uint8_t*>(s.exp_avg) + it.offset + start : nullptr;
+    uint8_t* const v_codes = kV8 ? static_cast<uint8_t*>(s.exp_avg_sq) + it.offset + start : nullptr;
+    if constexpr (kM8) decode_block<L, true>(m_codes, n, BlockCode::of(s.exp_avg_scale[block]), m_buf);
+    if constexpr (kV8) decode_block<L, false>(v_codes, n, BlockCode::of(s.exp_avg_sq_scale[block]), v_buf);
+    Block<L> bl;
+    bl.start = start;
+    if constexpr (MS == Master::kSplit) bl.tie_lane = static_cast<int32_t>(s.master_tie[block]) - 1;
+    bl.m_buf = m_buf;
+    bl.v_buf = v_buf;
+    bl.m_max = bl.v_max = L::seti(0);
+    bl.m_min = bl.v_min = L::seti(-1);
     int64_t i = start;
-#ifdef HALFADAM_AVX2
-    for (; i + 8 <= end; i += 8) {
-      V8 w, mi = load8(m + (i - start)), vi = load8(v + (i - start));
-      const V8 g = load8(grad + i) * c8.grad_scale;
-      if constexpr (MS == Master::kNone) {
-        w = load8(reinterpret_cast<float*>(param) + i);
-      } else {
-        const V8 p = load8(param + i);
-        if constexpr (MS == Master::kFp32) {
-          w = load8(master + i);
-        } else {  // r = hi * 256 + lo + 65536 in the block's tie lane
-          const int64_t j = it.offset + i;
-          __m256i r = _mm256_add_epi32(
-              _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.master_hi + j))), 8),
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.master_lo + j))));
-          const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i - start)),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-          r = _mm256_add_epi32(r, _mm256_and_si256(_mm256_cmpeq_epi32(lane, _mm256_set1_epi32(tie_lane)),
-                                                   _mm256_set1_epi32(65536)));
-          w = split_decode8(P(), p, r);
-          w = select8(no_remainder8(p), w, p);  // no remainder over +-0, nan or inf
-        }
-        w = select8(stale8<P>(p, w), w, p);  // master sync
-      }
-      adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c8);
-      const __m256i positions = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(it.position + i)),
-                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      store_moment8(m + (i - start), mi, seed_m, positions);
-      store_moment8(v + (i - start), vi, seed_v, positions);
-      if constexpr (MS == Master::kFp32) store8(master + i, w);
-      if constexpr (MS == Master::kSplit) {  // round once: the parameter's bits, and the remainder over them
-        const __m128i bits = half_bits8(P(), w);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(param + i), bits);
-        const __m256i r = split_remainder8(P(), w, widen8(P(), bits));
-        // the tie rule: the block's first remainder of +2**15 is stored as -2**15 (flagged by the tie
-        // byte), any other is clamped to 2**15 - 1 with the rest
-        __m256i q = _mm256_min_epi32(_mm256_max_epi32(r, _mm256_set1_epi32(-32768)), _mm256_set1_epi32(32767));
-        const int ties = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(r, _mm256_set1_epi32(32768))));
-        if (ties != 0 && first_tie < 0) {
-          const int lane = __builtin_ctz(ties);
-          first_tie = static_cast<int32_t>(i - start) + lane;
-          const __m256i at = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane));
-          q = _mm256_blendv_epi8(q, _mm256_set1_epi32(-32768), at);
-        }
-        const __m256i hi = _mm256_srai_epi32(q, 8), lo = _mm256_and_si256(q, _mm256_set1_epi32(255));
-        const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-        const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(s.master_hi + it.offset + i), _mm_packs_epi16(hi16, hi16));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(s.master_lo + it.offset + i), _mm_packus_epi16(lo16, lo16));
-      } else {
-        store8(param + i, w);
-      }
+    for (; i + L::W <= end; i += L::W) lanes<L, P, G, MS, MA, MV>(s, it, cl, bl, i);
+    int32_t first_tie = bl.first_tie;
+    Extremes me{L::hmax_u(bl.m_max), L::hmin_u(bl.m_min)}, ve{L::hmax_u(bl.v_max), L::hmin_u(bl.v_min)};
+    if (i < end) {  // the tail
+      Block<Lanes1> b1;
+      b1.start = start;
+      b1.tie_lane = bl.tie_lane;
+      b1.first_tie = first_tie;
+      b1.m_buf = m_buf;
+      b1.v_buf = v_buf;
+      b1.m_max = static_cast<int32_t>(me.max), b1.m_min = static_cast<int32_t>(me.min);
+      b1.v_max = static_cast<int32_t>(ve.max), b1.v_min = static_cast<int32_t>(ve.min);
+      for (; i < end; ++i) lanes<Lanes1, P, G, MS, MA, MV>(s, it, c1, b1, i);
+      first_tie = b1.first_tie;
+      me = {static_cast<uint32_t>(b1.m_max), static_cast<uint32_t>(b1.m_min)};
+      ve = {static_cast<uint32_t>(b1.v_max), static_cast<uint32_t>(b1.v_min)};
     }
-#endif
-    for (; i < end; ++i) {
-      float w, mi = load1(m + (i - start)), vi = load1(v + (i - start));
-      const float g = load1(grad + i) * c1.grad_scale;
-      if constexpr (MS == Master::kNone) {
-        w = reinterpret_cast<float*>(param)[i];
-      } else {
-        const float p = load1(param + i);
-        if constexpr (MS == Master::kFp32) {
-          w = master[i];
-        } else {
-          const int64_t j = it.offset + i;
-          const int32_t r = static_cast<int32_t>(s.master_hi[j]) * 256 + static_cast<int32_t>(s.master_lo[j]) +
-                            (i - start == tie_lane ? 65536 : 0);
-          w = split_decode1(P(), p, r);
-          if (!std::isfinite(p) || p == 0.0f) w = p;  // no remainder over +-0, nan or inf
-        }
-        w = select1(written1(p, round1<P>(w)), w, p);  // master sync
-      }
-      adam_lanes<L2, OPTIMIZED>(w, g, mi, vi, c1);
-      store_moment1(m + (i - start), mi, s.seed_exp_avg, static_cast<uint32_t>(it.position + i));
-      store_moment1(v + (i - start), vi, s.seed_exp_avg_sq, static_cast<uint32_t>(it.position + i));
-      if constexpr (MS == Master::kFp32) master[i] = w;
-      store1(param + i, w);
-      if constexpr (MS == Master::kSplit) {  // the tie rule, as above
-        int32_t r = split_remainder1(P(), w, load1(param + i));
-        if (r == 32768 && first_tie < 0) {
-          first_tie = static_cast<int32_t>(i - start);
-          r = -32768;
-        }
-        r = std::min(std::max(r, -32768), 32767);
-        s.master_hi[it.offset + i] = static_cast<int8_t>(r >> 8);
-        s.master_lo[it.offset + i] = static_cast<uint8_t>(r & 255);
-      }
-    }
-    if constexpr (MS == Master::kSplit)
-      s.master_tie[(it.offset + start) / BLOCK] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie in the block
-    if constexpr (kMayQuantizeM) {
-      if (m8) {  // past the parameter's end: the padding's zeros (encodings.py encodes whole padded blocks)
-        std::fill(m_block + (end - start), m_block + BLOCK, 0.0f);
-        encode_block<true>(m_block, m_codes + start, end - start, s.exp_avg_absmax + block, 0, 0, *s.tables);
-      }
-    }
-    if constexpr (kMayQuantizeV) {
-      if (v8) {
-        std::fill(v_block + (end - start), v_block + BLOCK, 0.0f);
-        encode_block<false>(v_block, v_codes + start, end - start, s.exp_avg_sq_absmax + block,
-                            static_cast<uint32_t>(it.position + start), s.seed_exp_avg_sq, *s.tables);
-      }
-    }
+    if constexpr (MS == Master::kSplit) s.master_tie[block] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie
+    // past the parameter's end (a block it ends in): the padding's zeros, which change no maximum and
+    // whose codes (0) are not written
+    if constexpr (kM8 || kV8)
+      encode_block<L, kM8, kV8>(m_buf, v_buf, m_codes, v_codes, n, me, ve, s.exp_avg_scale + block,
+                                s.exp_avg_sq_scale + block, static_cast<uint32_t>(it.position + start), s.seed_term);
   }
 }
 
 using RunFn = void (*)(const Step&, const Item&, int64_t, int64_t);
 
+// The lane width adam_step runs (tests set a narrower one: set_lanes).
+#if defined(HALFADAM_AVX512)
+constexpr int kMaxLanes = 16;
+#elif defined(HALFADAM_AVX2)
+constexpr int kMaxLanes = 8;
+#else
+constexpr int kMaxLanes = 1;
+#endif
+std::atomic<int> g_lanes{kMaxLanes};
+
 template <typename P, typename G, Master MS, typename MA, typename MV>
-RunFn pick_update(bool l2, bool optimized) {
-  return l2 ? (optimized ? &run<P, G, MS, MA, MV, true, true> : &run<P, G, MS, MA, MV, true, false>)
-            : (optimized ? &run<P, G, MS, MA, MV, false, true> : &run<P, G, MS, MA, MV, false, false>);
+RunFn pick_lanes() {
+  switch (g_lanes.load()) {
+#ifdef HALFADAM_AVX512
+    case 16: return &run<Lanes16, P, G, MS, MA, MV>;
+#endif
+#ifdef HALFADAM_AVX2
+    case 8: return &run<Lanes8, P, G, MS, MA, MV>;
+#endif
+    default: return &run<Lanes1, P, G, MS, MA, MV>;
+  }
 }
 
 // Gradients are float32 or the parameter's dtype (adam_step converts others first).
 template <typename P, Master MS, typename MA, typename MV>
-RunFn pick_grad(bool float_grad, bool l2, bool optimized) {
-  return float_grad ? pick_update<P, float, MS, MA, MV>(l2, optimized) : pick_update<P, P, MS, MA, MV>(l2, optimized);
+RunFn pick_grad(bool float_grad) {
+  return float_grad ? pick_lanes<P, float, MS, MA, MV>() : pick_lanes<P, P, MS, MA, MV>();
 }
 
 // Callers check supported() first: any other dtype never reaches these switches.
 template <typename MA, typename MV>
-RunFn pick_param(at::ScalarType param, bool float_grad, Master ms, bool l2, bool optimized) {
+RunFn pick_param(at::ScalarType param, bool float_grad, Master ms) {
   if (param == at::kFloat)  // float32 parameters: no master, or an fp32 one (master_weights=True)
-    return ms == Master::kNone ? pick_update<float, float, Master::kNone, MA, MV>(l2, optimized)
-                               : pick_update<float, float, Master::kFp32, MA, MV>(l2, optimized);
+    return ms == Master::kNone ? pick_lanes<float, float, Master::kNone, MA, MV>()
+                               : pick_lanes<float, float, Master::kFp32, MA, MV>();
   if (param == at::kHalf)
-    return ms == Master::kSplit ? pick_grad<at::Half, Master::kSplit, MA, MV>(float_grad, l2, optimized)
-                                : pick_grad<at::Half, Master::kFp32, MA, MV>(float_grad, l2, optimized);
-  return ms == Master::kSplit ? pick_grad<at::BFloat16, Master::kSplit, MA, MV>(float_grad, l2, optimized)
-                              : pick_grad<at::BFloat16, Master::kFp32, MA, MV>(float_grad, l2, optimized);
+    return ms == Master::kSplit ? pick_grad<at::Half, Master::kSplit, MA, MV>(float_grad)
+                                : pick_grad<at::Half, Master::kFp32, MA, MV>(float_grad);
+  return ms == Master::kSplit ? pick_grad<at::BFloat16, Master::kSplit, MA, MV>(float_grad)
+                              : pick_grad<at::BFloat16, Master::kFp32, MA, MV>(float_grad);
 }
 
-RunFn pick(at::ScalarType exp_avg, at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms,
-           bool l2, bool optimized) {
-  const bool a16 = exp_avg == at::kBFloat16, v16 = exp_avg_sq == at::kBFloat16;
-  if (a16 && v16) return pick_param<at::BFloat16, at::BFloat16>(param, float_grad, ms, l2, optimized);
-  if (a16) return pick_param<at::BFloat16, float>(param, float_grad, ms, l2, optimized);
-  if (v16) return pick_param<float, at::BFloat16>(param, float_grad, ms, l2, optimized);
-  return pick_param<float, float>(param, float_grad, ms, l2, optimized);
+template <typename MA>
+RunFn pick_v(at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms) {
+  if (exp_avg_sq == at::kByte) return pick_param<MA, uint8_t>(param, float_grad, ms);
+  if (exp_avg_sq == at::kBFloat16) return pick_param<MA, at::BFloat16>(param, float_grad, ms);
+  return pick_param<MA, float>(param, float_grad, ms);
+}
+
+RunFn pick(at::ScalarType exp_avg, at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms) {
+  if (exp_avg == at::kByte) return pick_v<uint8_t>(exp_avg_sq, param, float_grad, ms);
+  if (exp_avg == at::kBFloat16) return pick_v<at::BFloat16>(exp_avg_sq, param, float_grad, ms);
+  return pick_v<float>(exp_avg_sq, param, float_grad, ms);
 }
 
 bool supported(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
-uint32_t seed_term(int64_t step, uint32_t salt) {
-  return static_cast<uint32_t>(static_cast<uint64_t>(step) * 0x27D4EB2Full + salt);
+uint32_t seed_term(int64_t step) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(step) * 0x27D4EB2Full + kSalt);
 }
 
 }  // namespace
 
-// encodings.tables() (dynamic map, decades, levels) copied into `t`, with the estimates' constants.
-static void fill_tables(const std::vector<at::Tensor>& tables, Tables* t) {
-  TORCH_CHECK(tables.size() == 3, "adam_step: uint8 moments need encodings.tables() (3 tensors), got ", tables.size());
-  const int64_t sizes[3] = {256, 7, 256};
-  for (int j = 0; j < 3; ++j)
-    TORCH_CHECK(tables[j].device().is_cpu() && tables[j].scalar_type() == at::kFloat && tables[j].is_contiguous() &&
-                    tables[j].numel() == sizes[j],
-                "adam_step: tables[", j, "] must be a contiguous float32 CPU tensor of ", sizes[j], " elements");
-  std::memcpy(t->dyn, tables[0].data_ptr<float>(), sizeof(t->dyn));
-  std::memcpy(t->decades, tables[1].data_ptr<float>(), sizeof(t->decades));
-  std::memcpy(t->levels, tables[2].data_ptr<float>(), 256 * sizeof(float));
-  std::fill(t->levels + 256, t->levels + 264, 1.0f);
-  for (int c = 0; c < 256; ++c) t->dyn_by_code[c] = t->dyn[(c + 127) & 255];
-  for (int i = 0; i < 8; ++i) {
-    const int d = std::min(i, 6);
-    t->pow2[i] = static_cast<float>(1 << d);
-    t->k_slope[i] = static_cast<float>(t->pow2[i] / 0.9 / t->decades[d]);
-    t->k_offset[i] = static_cast<float>(-0.1 * t->pow2[i] / 0.9 - 0.5);
-    const int lowest = 127 + (1 << d);  // decade d's lowest value, and the one below it
-    t->below_mid[i] = static_cast<float>((static_cast<double>(t->dyn[lowest - 1]) + t->dyn[lowest]) / 2);
-  }
-  t->top_mid = static_cast<float>((static_cast<double>(t->dyn[254]) + t->dyn[255]) / 2);
-}
-
 // One step for params[k] (gradient grads[k], state at offsets[k] of the flat buffers in `state`, keyed
-// as halfadam.encodings names them), k = 0..K-1. `step` seeds the stochastic rounding; `tables` is
-// encodings.tables() with a uint8 moment (else empty).
+// as halfadam.encodings names them), k = 0..K-1. `step` seeds the stochastic rounding; `positions`:
+// each parameter's first element's index in its whole parameter (empty: 0).
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::map<std::string, at::Tensor>& state, const std::vector<int64_t>& offsets,
                const std::vector<double>& coefficients, const c10::optional<at::Tensor>& grad_scale, bool l2,
-               bool optimized_update, int64_t step, const std::vector<at::Tensor>& tables,
-               const std::vector<int64_t>& positions) {
+               bool optimized_update, int64_t step, const std::vector<int64_t>& positions) {
   const int64_t K = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K &&
                   (positions.empty() || static_cast<int64_t>(positions.size()) == K),
@@ -805,13 +1191,11 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   const int64_t total_state = exp_avg.numel();
   TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
   const bool m8 = adtype == at::kByte, v8 = vdtype == at::kByte;
-  const at::Tensor m_absmax = get("exp_avg_absmax", at::kFloat), v_absmax = get("exp_avg_sq_absmax", at::kFloat);
-  TORCH_CHECK(m8 == m_absmax.defined() && v8 == v_absmax.defined() &&
-                  (!m8 || m_absmax.numel() * BLOCK == total_state) && (!v8 || v_absmax.numel() * BLOCK == total_state),
-              "adam_step: a uint8 moment needs its *_absmax (one per block of ", BLOCK,
+  const at::Tensor m_scale = get("exp_avg_scale", at::kByte), v_scale = get("exp_avg_sq_scale", at::kByte);
+  TORCH_CHECK(m8 == m_scale.defined() && v8 == v_scale.defined() &&
+                  (!m8 || m_scale.numel() * BLOCK == total_state) && (!v8 || v_scale.numel() * BLOCK == total_state),
+              "adam_step: a uint8 moment needs its *_scale (uint8, one per block of ", BLOCK,
               "), and only a uint8 one has it");
-  Tables table_values;
-  if (m8 || v8) fill_tables(tables, &table_values);
   const at::Tensor master = get("master_weight", at::kFloat);
   const at::Tensor hi = get("master_hi", at::kChar), lo = get("master_lo", at::kByte);
   const at::Tensor tie = get("master_tie", at::kByte);
@@ -824,7 +1208,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   for (const auto& kv : state)
     TORCH_CHECK(kv.first == "master_weight" || kv.first == "master_hi" || kv.first == "master_lo" ||
                     kv.first == "master_tie" || kv.first == "exp_avg" || kv.first == "exp_avg_sq" ||
-                    kv.first == "exp_avg_absmax" || kv.first == "exp_avg_sq_absmax",
+                    kv.first == "exp_avg_scale" || kv.first == "exp_avg_sq_scale",
                 "adam_step: unsupported state entry '", kv.first, "'");
 
   Step s{};
@@ -834,13 +1218,14 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   s.master_tie = ms == Master::kSplit ? tie.data_ptr<uint8_t>() : nullptr;
   s.exp_avg = exp_avg.data_ptr();
   s.exp_avg_sq = exp_avg_sq.data_ptr();
-  s.exp_avg_absmax = m8 ? m_absmax.data_ptr<float>() : nullptr;
-  s.exp_avg_sq_absmax = v8 ? v_absmax.data_ptr<float>() : nullptr;
-  s.tables = &table_values;
+  s.exp_avg_scale = m8 ? m_scale.data_ptr<uint8_t>() : nullptr;
+  s.exp_avg_sq_scale = v8 ? v_scale.data_ptr<uint8_t>() : nullptr;
   for (int j = 0; j < 8; ++j) s.c[j] = static_cast<float>(coefficients[j]);
-  s.c[8] = grad_scale.has_value() && grad_scale->defined() ? grad_scale->item<float>() : 1.0f;
-  s.seed_exp_avg = seed_term(step, 0x3C6EF372u);     // encodings._SALT
-  s.seed_exp_avg_sq = seed_term(step, 0x1B873593u);
+  s.scaled = grad_scale.has_value() && grad_scale->defined();
+  s.c[8] = s.scaled ? grad_scale->item<float>() : 1.0f;
+  s.l2 = l2;
+  s.optimized = optimized_update;
+  s.seed_term = seed_term(step);
 
   // Validate everything before writing anything; non-contiguous tensors go through contiguous copies.
   std::vector<Item> items(K);
@@ -876,7 +1261,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       p = c;
     }
     items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k], positions.empty() ? 0 : positions[k]};
-    fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms, l2, optimized_update);
+    fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms);
     starts[k + 1] = starts[k] + (n + BLOCK - 1) / BLOCK;
   }
   {
@@ -914,47 +1299,110 @@ int64_t first_invalid(const std::vector<at::Tensor>& params, const std::vector<a
 }
 
 // The kernel's uint8 block encoder and decoder by themselves (tests: encodings._encode_moment_ and
-// _decode_moment's bytes and values): x (float32) and codes (uint8) a multiple of BLOCK long, absmax
-// (float32) one per block, positions from 0, `step` the seed.
-static void check_uint8_args(const at::Tensor& codes, const at::Tensor& absmax) {
+// _decode_moment's bytes and values), at the lane width adam_step runs: x (float32) and codes (uint8) a
+// multiple of BLOCK long, scale (uint8) one per block, positions from 0, `step` the seed.
+static void check_uint8_args(const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.numel() % BLOCK == 0 && absmax.device().is_cpu() && absmax.scalar_type() == at::kFloat &&
-                  absmax.is_contiguous() && absmax.numel() * BLOCK == codes.numel(),
-              "uint8 codes (a multiple of ", BLOCK, " long) and float32 absmax (one per block), contiguous, "
-              "on the CPU");
+                  codes.numel() % BLOCK == 0 && scale.device().is_cpu() && scale.scalar_type() == at::kByte &&
+                  scale.is_contiguous() && scale.numel() * BLOCK == codes.numel(),
+              "uint8 codes (a multiple of ", BLOCK, " long) and uint8 scale (one per block), contiguous, on the CPU");
 }
-void encode_uint8(const at::Tensor& x, at::Tensor codes, at::Tensor absmax, const std::vector<at::Tensor>& tables,
-                  bool exp_avg, int64_t step) {
-  check_uint8_args(codes, absmax);
+
+template <class L>
+static void encode_blocks(const float* x, uint8_t* codes, uint8_t* scale, int64_t blocks, bool exp_avg, uint32_t seed) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j = b * BLOCK;
+    const Extremes none{0, 0xFFFFFFFFu};
+    if (exp_avg) encode_block<L, true, false>(x + j, nullptr, codes + j, nullptr, BLOCK, extremes<true>(x + j, BLOCK), none,
+                                              scale + b, nullptr, static_cast<uint32_t>(j), seed);
+    else encode_block<L, false, true>(nullptr, x + j, nullptr, codes + j, BLOCK, none, extremes<false>(x + j, BLOCK),
+                                      nullptr, scale + b, static_cast<uint32_t>(j), seed);
+  }
+}
+template <class L, bool EXP_AVG>
+static void decode_blocks(const uint8_t* codes, const uint8_t* scale, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b)
+    decode_block<L, EXP_AVG>(codes + b * BLOCK, BLOCK, BlockCode::of(scale[b]), out + b * BLOCK);
+}
+
+void encode_uint8(const at::Tensor& x, at::Tensor codes, at::Tensor scale, bool exp_avg, int64_t step) {
+  check_uint8_args(codes, scale);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == codes.numel(),
               "encode_uint8: x must be a contiguous float32 CPU tensor as long as codes");
-  Tables t;
-  fill_tables(tables, &t);
-  const uint32_t seed = seed_term(step, 0x1B873593u);  // encodings._SALT["exp_avg_sq"]
   const float* xs = x.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
-  float* am = absmax.data_ptr<float>();
-  for (int64_t b = 0; b < absmax.numel(); ++b) {
-    const int64_t j = b * BLOCK;
-    if (exp_avg) encode_block<true>(xs + j, out + j, BLOCK, am + b, 0, 0, t);
-    else encode_block<false>(xs + j, out + j, BLOCK, am + b, static_cast<uint32_t>(j), seed, t);
+  uint8_t* sc = scale.data_ptr<uint8_t>();
+  const int64_t blocks = scale.numel();
+  const uint32_t seed = seed_term(step);
+  switch (g_lanes.load()) {
+#ifdef HALFADAM_AVX512
+    case 16: encode_blocks<Lanes16>(xs, out, sc, blocks, exp_avg, seed); break;
+#endif
+#ifdef HALFADAM_AVX2
+    case 8: encode_blocks<Lanes8>(xs, out, sc, blocks, exp_avg, seed); break;
+#endif
+    default: encode_blocks<Lanes1>(xs, out, sc, blocks, exp_avg, seed);
   }
 }
-at::Tensor decode_uint8(const at::Tensor& codes, const at::Tensor& absmax, const std::vector<at::Tensor>& tables,
-                        bool exp_avg) {
-  check_uint8_args(codes, absmax);
-  Tables t;
-  fill_tables(tables, &t);
+
+at::Tensor decode_uint8(const at::Tensor& codes, const at::Tensor& scale, bool exp_avg) {
+  check_uint8_args(codes, scale);
   at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(at::kFloat));
   const uint8_t* in = codes.data_ptr<uint8_t>();
-  const float* am = absmax.data_ptr<float>();
+  const uint8_t* sc = scale.data_ptr<uint8_t>();
   float* values = out.data_ptr<float>();
-  for (int64_t b = 0; b < absmax.numel(); ++b) {
-    const int64_t j = b * BLOCK;
-    if (exp_avg) decode_block<true>(in + j, am[b], BLOCK, values + j, t);
-    else decode_block<false>(in + j, am[b], BLOCK, values + j, t);
+  const int64_t blocks = scale.numel();
+  switch (g_lanes.load()) {
+#ifdef HALFADAM_AVX512
+    case 16:
+      exp_avg ? decode_blocks<Lanes16, true>(in, sc, blocks, values) : decode_blocks<Lanes16, false>(in, sc, blocks, values);
+      break;
+#endif
+#ifdef HALFADAM_AVX2
+    case 8:
+      exp_avg ? decode_blocks<Lanes8, true>(in, sc, blocks, values) : decode_blocks<Lanes8, false>(in, sc, blocks, values);
+      break;
+#endif
+    default:
+      exp_avg ? decode_blocks<Lanes1, true>(in, sc, blocks, values) : decode_blocks<Lanes1, false>(in, sc, blocks, values);
   }
   return out;
+}
+
+// The lane widths compiled in: 16 (AVX-512), 8 (AVX2), 1.
+std::vector<int64_t> available_lanes() {
+  std::vector<int64_t> widths;
+#ifdef HALFADAM_AVX512
+  widths.push_back(16);
+#endif
+#ifdef HALFADAM_AVX2
+  widths.push_back(8);
+#endif
+  widths.push_back(1);
+  return widths;
+}
+
+// The lane width adam_step, encode_uint8 and decode_uint8 run (tests: every width compiled in is
+// checked on this machine); 0 gives the widest. Returns the previous width.
+int64_t set_lanes(int64_t lanes) {
+  const std::vector<int64_t> widths = available_lanes();
+  if (lanes == 0) lanes = kMaxLanes;
+  TORCH_CHECK(std::find(widths.begin(), widths.end(), lanes) != widths.end(), "set_lanes: ", lanes,
+              " lanes are not compiled in");
+  return g_lanes.exchange(static_cast<int>(lanes));
+}
+
+// The uint8 codes' constants compiled in (tests compare them with encodings._TIERS, _NAN_CODE, _INF_CODE,
+// _MAGNITUDE_MASK and _SALT): {name: (tiers as (mantissa, binades) pairs, nan code, inf code, mask)}, salt.
+std::pair<std::map<std::string, std::tuple<std::vector<std::pair<int64_t, int64_t>>, int64_t, int64_t, int64_t>>, int64_t>
+uint8_codes() {
+  std::map<std::string, std::tuple<std::vector<std::pair<int64_t, int64_t>>, int64_t, int64_t, int64_t>> out;
+  std::vector<std::pair<int64_t, int64_t>> m, v;
+  for (const Tier& t : Codes<true>::kTiers) m.emplace_back(t.mantissa, t.binades);
+  for (const Tier& t : Codes<false>::kTiers) v.emplace_back(t.mantissa, t.binades);
+  out["exp_avg"] = {m, Codes<true>::kNan, Codes<true>::kInf, Codes<true>::kMask};
+  out["exp_avg_sq"] = {v, Codes<false>::kNan, Codes<false>::kInf, Codes<false>::kMask};
+  return {out, kSalt};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -962,4 +1410,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("first_invalid", &first_invalid, "halfadam: index of the first invalid (param, grad) pair, or -1");
   m.def("encode_uint8", &encode_uint8, "halfadam (tests): the kernel's uint8 moment encoder over whole blocks");
   m.def("decode_uint8", &decode_uint8, "halfadam (tests): the kernel's uint8 moment decoder over whole blocks");
+  m.def("available_lanes", &available_lanes, "halfadam (tests): the lane widths compiled in (16, 8, 1)");
+  m.def("set_lanes", &set_lanes, "halfadam (tests): the lane width to run (0: the widest); returns the previous one");
+  m.def("uint8_codes", &uint8_codes, "halfadam (tests): the uint8 codes' tiers, reserved codes, masks and salt compiled in");
 }

@@ -1,18 +1,19 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
 ``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
-optimized_update, step, tables, positions)``: one Adam/AdamW step over a list of float16/bfloat16/float32
+optimized_update, step, positions)``: one Adam/AdamW step over a list of float16/bfloat16/float32
 parameters whose state lives in flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`, or one
 shard's own state tensors flattened; ``positions``: each parameter's first element's index in its
-whole parameter, the random bits' positions, or empty for 0), in
-one call (no gathering of gradients or parameters, no per-tensor Python), in every state format (the
-encodings of :mod:`halfadam.encodings`, bit for bit, 8-bit moments included, with ``tables`` =
-:func:`halfadam.encodings.tables`); ``first_invalid(params, grads)``,
-the optimizer's per-gradient checks in one call (the index of the first pair they would reject);
-and, for tests, ``encode_uint8``/``decode_uint8``, its 8-bit block encoder and decoder by themselves.
-Its equations are
-:mod:`halfadam.functional`'s, term for term (the file's header states them), vectorised with AVX2
-and F16C where the CPU has them, split over torch's intra-op threads (``torch.set_num_threads``).
+whole parameter, the random bits' positions, or empty for 0), in one call (no gathering of gradients
+or parameters, no per-tensor Python), in every state format (the encodings of
+:mod:`halfadam.encodings`, bit for bit, 8-bit moments and their ``*_scale`` bytes included);
+``first_invalid(params, grads)``, the optimizer's per-gradient checks in one call (the index of the
+first pair they would reject); and, for tests, ``encode_uint8(x, codes, scale, exp_avg, step)`` /
+``decode_uint8(codes, scale, exp_avg)``, its 8-bit block encoder and decoder by themselves, and
+``available_lanes()`` / ``set_lanes(n)``, the vector widths compiled in and the one to run. Its
+equations are :mod:`halfadam.functional`'s, term for term (the file's header states them), vectorised
+with AVX-512 (16 lanes) or AVX2 and F16C (8 lanes) where the CPU has them, one element at a time
+otherwise and for the tails, split over torch's intra-op threads (``torch.set_num_threads``).
 
 It is compiled by :func:`torch.utils.cpp_extension.load` (gcc or clang, and ninja) with
 ``-O3 -march=native -ffp-contract=off -fopenmp``, once per build key: the source's bytes, the flags,
@@ -33,7 +34,7 @@ virtual environment with the same key shares one build, and one with another key
 * ``halfadam.lock``: held (``flock``) by the process that builds; others wait for it, with one line.
 
 Every build, the first or a rebuild, is announced on the ``halfadam`` logger at WARNING level. The
-first takes about a minute; later processes load the library in well under a second. Where it cannot
+first takes a minute or two; later processes load the library in well under a second. Where it cannot
 be built (no compiler, no ninja, a failed build) :func:`load` returns ``None`` and
 :func:`unavailable_reason` says why (also logged), and ``implementation="auto"`` runs the
 ``torch.compile`` path instead. Set ``HALFADAM_CPP=0`` (or ``false``/``off``/``no``) to never build or
@@ -219,7 +220,7 @@ def _build(name: str, source: bytes, directory: Path, library: Path) -> ModuleTy
     copy = build / SOURCE.name
     copy.write_bytes(source)
     _log.warning("halfadam: compiling the C++ CPU kernel (once for this source, torch, Python, CPU and compiler, "
-                 "about a minute; cached in %s; HALFADAM_CPP=0 skips it)", directory)
+                 "a minute or two; cached in %s; HALFADAM_CPP=0 skips it)", directory)
     module = cpp_extension.load(name=name, sources=[str(copy)], build_directory=str(build), extra_cflags=CFLAGS,
                                 extra_ldflags=["-fopenmp"], verbose=False)
     data = (build / library.name).read_bytes()

@@ -4,7 +4,13 @@ The equations are :mod:`halfadam.functional`'s and the encodings :mod:`halfadam.
 specification), term for term and in the same order of operations, as in the C++ CPU kernel
 (``adam_cpu.cpp`` beside this module, whose comments state the per-element steps): every float32 operation is
 rounded once (the launch turns fused multiply-adds off, divisions and square roots are the IEEE
-ones, ``div_rn``/``sqrt_rn``), so a step computes the same bits as every other execution.
+ones, ``div_rn``/``sqrt_rn``), so a step computes the same bits as every other execution. One division
+is computed otherwise, to the same bits: ``sqrt(v) / sqrt(1 - beta2**t)`` divides every element by
+one number, so the kernel takes its reciprocal once and corrects ``x * (1 / c)`` twice with fused
+multiply-adds to the correctly rounded quotient (Markstein's theorem; :func:`_div_by_coefficient`).
+The encodings' integer steps are spelled out on float32 bit patterns as the specification writes
+them (the uint8 codes' tiers, mantissa bits and reserved codes are read from it at import), in
+equivalent forms where they are cheaper (the comments say why they are the same).
 
 The parameters and gradients stay where they are. A launch reads two small device tables:
 
@@ -13,7 +19,7 @@ The parameters and gradients stay where they are. A launch reads two small devic
   and the position of its first element in the whole parameter (the random bits' positions);
 * the **work list** (int64, one row per program): a row of the tensor table and the first element
   of the program's :data:`CHUNK` elements (a multiple of ``BLOCK``), so small and large tensors
-  share one grid.
+  share one grid. A program steps its elements a tile (:data:`TILE`) after the other.
 
 The work list depends only on the bucket's layout and which parameters step (cached); the tensor
 table only on the addresses (rebuilt when one changes: ``zero_grad(set_to_none=True)`` gives new
@@ -21,11 +27,16 @@ gradients every step, and a rebuild is one host list and one copy). The step's s
 coefficients of :func:`halfadam.functional.adam_coefficients` and the step, for the random bits)
 reach the kernel as one small device tensor, the loss scale and ``found_inf`` as device tensors:
 a launch waits for nothing on the host, and a set ``found_inf`` makes the kernel write nothing
-(as torch's fused AdamW).
+(as torch's fused AdamW). A table whose addresses are all 16-byte aligned and whose counts and
+offsets are multiples of 8 (:func:`tensor_table`'s ``aligned``; nearly every model's) gets the
+kernel that loads and stores 16 bytes at a time.
 
 On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, as Triton reads
 it: ``triton.knobs.runtime.interpret``, at each launch): that is how the test suite checks it without
-a GPU.
+a GPU. Two things differ there: its tiles are larger (:data:`INTERPRETED_BLOCKS_PER_TILE`; the
+results do not depend on them), and bfloat16 rounding is spelled out in integer operations (the
+interpreter's conversion truncates) where the GPU's conversion rounds to nearest even itself (a nan
+then is the GPU's nan pattern, as torch's CUDA conversion writes).
 """
 
 from __future__ import annotations
@@ -36,13 +47,24 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..encodings import BLOCK, V_OCTAVES, _DYN_ZERO, _SALT
+from .. import encodings as _encodings
+from ..encodings import BLOCK, _INF_CODE, _MAGNITUDE_MASK, _NAN_CODE, _SALT, _SPAN
 
 __all__ = ["available", "unavailable_reason", "launch", "CHUNK", "interpreted"]
 
-#: Elements per program: BLOCKS_PER_PROGRAM blocks of BLOCK.
-BLOCKS_PER_PROGRAM = 8
-CHUNK = BLOCKS_PER_PROGRAM * BLOCK
+#: The launch shape: a program steps CHUNK elements, a tile of BLOCKS_PER_TILE blocks of BLOCK after the
+#: other (TILES_PER_PROGRAM of them, fewer at a tensor's end), with NUM_WARPS warps: 8 elements per
+#: thread and tile, few registers (about 90-125: many programs per SM), the program's setup (its
+#: tensor-table row, the scalars, the divisions' slow paths) spread over CHUNK elements
+#: (``benchmarks/triton_compile_check.py`` counts the instructions of each choice).
+BLOCKS_PER_TILE = 4
+TILES_PER_PROGRAM = 32
+TILE = BLOCKS_PER_TILE * BLOCK
+CHUNK = TILES_PER_PROGRAM * TILE
+NUM_WARPS = 2
+#: Under the interpreter the tiles are larger (CHUNK is the same): it pays per operation, not per element.
+#: The results do not depend on the tile (every encoding works on whole blocks).
+INTERPRETED_BLOCKS_PER_TILE = 16
 
 _import_error: Optional[str] = None
 try:
@@ -88,15 +110,40 @@ _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.u
 #: the state buffers, offset in them, position of the first element in the whole parameter, then (for
 #: tensors whose state is their own, not a bucket's: FSDP2's local shards) the state tensors' addresses.
 STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_sq",
-                 "exp_avg_absmax", "exp_avg_sq_absmax")
+                 "exp_avg_scale", "exp_avg_sq_scale")
 TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position") + STATE_COLUMNS
+#: A launch's tables are "aligned" (the kernel's loads and stores of 16 bytes) when every address in
+#: them is a multiple of 16 bytes and every element count and offset a multiple of :data:`VECTOR`.
+VECTOR = 8
+
+
+def _code_tiers(name: str) -> Tuple[Tuple[int, int, int], ...]:
+    """encodings' uint8 codes of moment ``name``, tier by tier from the smallest values up: (mantissa
+    bits, first binade over the block's base, first code); one tier of ``_MANTISSA[name]`` bits where
+    encodings has no tiers."""
+    table = getattr(_encodings, "_TIER_TABLE", None)
+    if table is not None:
+        return tuple(tuple(int(v) for v in tier) for tier in table[name][0])
+    mantissa = _encodings._MANTISSA[name]
+    return ((mantissa, 0, 1 << mantissa),)
+
 
 if triton is not None:
     # encodings.py's constants, as compile-time values of the kernels
-    _SALT_EXP_AVG = tl.constexpr(_SALT["exp_avg"])
-    _SALT_EXP_AVG_SQ = tl.constexpr(_SALT["exp_avg_sq"])
-    _DYN_ZERO_C = tl.constexpr(_DYN_ZERO)
-    _CODES_PER_OCTAVE = tl.constexpr(254.0 / V_OCTAVES)
+    _SALT_C = tl.constexpr(_SALT)
+    _M_TIERS = tl.constexpr(_code_tiers("exp_avg"))
+    _V_TIERS = tl.constexpr(_code_tiers("exp_avg_sq"))
+    _M_NTIERS = tl.constexpr(len(_code_tiers("exp_avg")))
+    _V_NTIERS = tl.constexpr(len(_code_tiers("exp_avg_sq")))
+    _M_SPAN = tl.constexpr(_SPAN["exp_avg"])
+    _V_SPAN = tl.constexpr(_SPAN["exp_avg_sq"])
+    _M_MAGNITUDE = tl.constexpr(_MAGNITUDE_MASK["exp_avg"])  # the sign bit above it
+    _V_MAGNITUDE = tl.constexpr(_MAGNITUDE_MASK["exp_avg_sq"])
+    _M_NAN = tl.constexpr(_NAN_CODE["exp_avg"])
+    _M_INF = tl.constexpr(_INF_CODE["exp_avg"])
+    _V_NAN = tl.constexpr(_NAN_CODE["exp_avg_sq"])
+    _V_INF = tl.constexpr(_INF_CODE["exp_avg_sq"])
+    assert _MAGNITUDE_MASK["exp_avg"] == 127  # its sign is bit 7: the float32 sign bit shifted by 24
 
     @triton.jit
     def _hash(position, seed_term):
@@ -117,28 +164,36 @@ if triton is not None:
         return (p != r) | (_signbit(p) != _signbit(r))
 
     @triton.jit
-    def _bf16_bits(x):
-        """float32 -> bfloat16 bits (uint32, in the low half), round to nearest even, nan -> 0x7FC0
-        (c10::BFloat16's rule, the C++ kernel's); spelled out: the interpreter's conversion truncates."""
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        return tl.where(x != x, 0x7FC0, r)
+    def _bf16_bits(x, CVT: tl.constexpr):
+        """float32 -> bfloat16 bits (uint32, in the low half), round to nearest even (as Tensor.copy_). CVT:
+        the GPU's conversion (cvt.rn.bf16; a nan -> a nan, 0x7FFF as torch's CUDA conversion writes);
+        else spelled out, nan -> 0x7FC0 (c10::BFloat16's rule on the CPU): the interpreter's conversion
+        truncates."""
+        if CVT:
+            return x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            u = x.to(tl.uint32, bitcast=True)
+            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            return tl.where(x != x, 0x7FC0, r)
 
     @triton.jit
-    def _round_to(x, P_DTYPE: tl.constexpr):
+    def _round_to(x, P_DTYPE: tl.constexpr, CVT: tl.constexpr):
         """x rounded to the parameter's dtype (nearest even, as Tensor.copy_), as float32."""
         if P_DTYPE == tl.bfloat16:
-            return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+            if CVT:
+                return x.to(tl.bfloat16).to(tl.float32)
+            else:
+                return (_bf16_bits(x, CVT) << 16).to(tl.float32, bitcast=True)
         else:
             return x.to(P_DTYPE).to(tl.float32)
 
     @triton.jit
-    def _store_param(ptr, local, x, mask, P_DTYPE: tl.constexpr):
+    def _store_param(ptr, x, mask, P_DTYPE: tl.constexpr, CVT: tl.constexpr):
         """Store x rounded to the parameter's dtype."""
-        if P_DTYPE == tl.bfloat16:
-            tl.store(ptr.to(tl.pointer_type(tl.uint16)) + local, _bf16_bits(x).to(tl.uint16), mask=mask)
+        if P_DTYPE == tl.bfloat16 and not CVT:
+            tl.store(ptr.to(tl.pointer_type(tl.uint16)), _bf16_bits(x, CVT).to(tl.uint16), mask=mask)
         else:
-            tl.store(ptr + local, x.to(P_DTYPE), mask=mask)
+            tl.store(ptr, x.to(P_DTYPE), mask=mask)
 
     @triton.jit
     def _fp16_ulp(x):
@@ -156,95 +211,131 @@ if triton is not None:
         return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
     @triton.jit
-    def _decode_uint8(code_ptr, absmax_ptr, eidx, bidx, emask, bmask, table_ptr, IS_EXP_AVG: tl.constexpr):
-        """encodings._decode_moment for uint8 codes: table value times |absmax|; reserved codes of a flagged block."""
-        codes = tl.load(code_ptr + eidx, mask=emask, other=0).to(tl.int32)
-        absmax = tl.load(absmax_ptr + bidx, mask=bmask, other=0.0)
-        flagged = _signbit(absmax)[:, None]
-        if IS_EXP_AVG:
-            index = (codes + _DYN_ZERO_C) & 255
-        else:
-            index = codes
-        x = tl.load(table_ptr + index) * tl.abs(absmax)[:, None]
-        inf = float("inf")
-        if IS_EXP_AVG:
-            x = tl.where(flagged & (index == 128), inf, x)
-            x = tl.where(flagged & (index == 126), -inf, x)
-            x = tl.where(flagged & (index == 129), float("nan"), x)
-        else:
-            x = tl.where(flagged & (index == 1), inf, x)
-            x = tl.where(flagged & (index == 2), float("nan"), x)
-        return x
+    def _div_by_coefficient(x, c, y, special):
+        """tl.div_rn(x, c), correctly rounded, for x = sqrt(v) (>= 0 or nan) and the step's divisor c =
+        sqrt(1 - beta2**t) in [2**-27, 1] (beta2 in (0, 1), t >= 1) or 0, with y = tl.div_rn(1.0, c):
+        without a division per element. q = x * y is within 1.5 ulps of x / c; a correction step
+        q + (x - c q) y (each in one rounding: fma; the remainder x - c q is exact) makes it faithful
+        (within an ulp), and a second one correctly rounded (Markstein's theorem: y within half an ulp
+        of 1 / c and q faithful give RN(q + (x - c q) y) = RN(x / c), without underflow or overflow: x is
+        0, inf, nan or in [2**-75, 2**64], so x / c is in [2**-75, 2**91]). x = 0 or inf (and nan), and
+        every x where c = 0 (y inf), take x * y, IEEE's quotient there: ``special`` (:func:`_coefficient_special`).
+        (Exact while c is in [2**-64, 2**51].)"""
+        q = x * y
+        q = tl.fma(tl.fma(-c, q, x), y, q)
+        q = tl.fma(tl.fma(-c, q, x), y, q)
+        return tl.where((x.to(tl.int32, bitcast=True) - 1).to(tl.uint32, bitcast=True) >= special, x * y, q)
 
     @triton.jit
-    def _load_moment(ptr, absmax_ptr, eidx, bidx, emask, bmask, table_ptr, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
+    def _coefficient_special(y):
+        """The threshold of :func:`_div_by_coefficient`'s x * y: the patterns of 0, inf and nan less 1 (as
+        uint32) reach 0x7F7FFFFF; every pattern reaches 0 (c = 0)."""
+        return tl.where(y == float("inf"), 0, 0x7F7FFFFF).to(tl.uint32)
+
+    @triton.jit
+    def _decode_uint8(code_ptr, scale_ptr, emask, bmask, IS_EXP_AVG: tl.constexpr):
+        """encodings._decode_moment of uint8 codes ([blocks, BLOCK] pointers) over their blocks' scales
+        (``[blocks]`` pointers): _decode_magnitude, then the reserved codes and exp_avg's sign bit."""
+        code = tl.load(code_ptr, mask=emask).to(tl.int32)
+        base = tl.load(scale_ptr, mask=bmask).to(tl.int32)[:, None]
+        if IS_EXP_AVG:
+            TIERS: tl.constexpr = _M_TIERS
+            NTIERS: tl.constexpr = _M_NTIERS
+            k = code & _M_MAGNITUDE
+        else:
+            TIERS: tl.constexpr = _V_TIERS
+            NTIERS: tl.constexpr = _V_NTIERS
+            k = code & _V_MAGNITUDE
+        M0: tl.constexpr = TIERS[0][0]
+        sub = k < (1 << M0)  # a subnormal: unit * k / 2**M0, the value of unit * (1 + k / 2**M0) less unit
+        if NTIERS == 1:
+            value = (k + ((base - 1) << M0) + tl.where(sub, 1 << M0, 0)) << (23 - M0)
+        else:  # encodings._decode_magnitude: the tier's mantissa bits and code offset
+            shift = tl.full(k.shape, 23 - M0, tl.int32)
+            offset = tl.where(sub, base << M0, (base - 1) << M0)
+            for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
+                later = k >= TIERS[i][2]
+                shift = tl.where(later, 23 - TIERS[i][0], shift)
+                offset = tl.where(later, ((base + TIERS[i][1]) << TIERS[i][0]) - TIERS[i][2], offset)
+            value = (k + offset) << shift
+        value = value.to(tl.float32, bitcast=True)
+        value = tl.where(sub, value - (base << 23).to(tl.float32, bitcast=True), value)
+        nan = tl.full(value.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)  # math.nan's bits
+        if IS_EXP_AVG:
+            value = tl.where(k == _M_INF, float("inf"), value)
+            # the sign bit: -value (the sign bit flipped)
+            value = (value.to(tl.int32, bitcast=True) ^ ((code << 24) & -2147483648)).to(tl.float32, bitcast=True)
+            value = tl.where(k == _M_NAN, nan, value)
+        else:
+            value = tl.where(k == _V_INF, float("inf"), value)
+            value = tl.where(k == _V_NAN, nan, value)
+        return value
+
+    @triton.jit
+    def _encode_uint8(x, r16, IS_EXP_AVG: tl.constexpr):
+        """encodings._encode_moment_ for uint8 (x: [blocks, BLOCK] float32; r16: the elements' 16 random
+        bits, int32): (codes int32, the blocks' scales int32)."""
+        if IS_EXP_AVG:
+            TIERS: tl.constexpr = _M_TIERS
+            NTIERS: tl.constexpr = _M_NTIERS
+            SPAN: tl.constexpr = _M_SPAN
+        else:
+            TIERS: tl.constexpr = _V_TIERS
+            NTIERS: tl.constexpr = _V_NTIERS
+            SPAN: tl.constexpr = _V_SPAN
+        M0: tl.constexpr = TIERS[0][0]
+        bits = x.to(tl.int32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        finite = magnitude < 0x7F800000
+        a = tl.where(finite, magnitude, 0)  # |x| of the finite values, 0 for the others (bits)
+        # encodings._block_base: the integer max of the patterns is the largest magnitude's
+        base1 = tl.maximum((tl.max(a, axis=1) >> 23) - SPAN, 1)
+        base = base1[:, None]
+        unit = base << 23
+        sub = a < unit  # below the unit (non-negative patterns order as their values)
+        # encodings._encode_magnitude: a subnormal's pattern is that of a + unit, one binade lower
+        # (2**23 below: its code (y >> (23 - M0)) less 2**M0)
+        shifted = (a.to(tl.float32, bitcast=True) + unit.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+        y = tl.where(sub, shifted - (1 << 23), a)
+        if NTIERS == 1:
+            k = ((y + (r16 << (7 - M0))) >> (23 - M0)) - ((base - 1) << M0)
+        else:  # the binade's tier: its mantissa bits M and code offset; (y + (r16 << (7 - M))) >> (23 - M)
+            # is ((y >> (7 - M)) + r16) >> 16
+            low = tl.full(a.shape, 7 - M0, tl.int32)
+            offset = -((base - 1) << M0)
+            for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
+                later = a >= ((base + TIERS[i][1]) << 23)
+                low = tl.where(later, 7 - TIERS[i][0], low)
+                offset = tl.where(later, TIERS[i][2] - ((base + TIERS[i][1]) << TIERS[i][0]), offset)
+            k = (((y >> low) + r16) >> 16) + offset
+        if IS_EXP_AVG:  # the sign bit (bit 7), a nan's aside
+            code = tl.where(finite, k, _M_INF) | ((bits >> 24) & 128)
+            code = tl.where(magnitude > 0x7F800000, _M_NAN, code)
+        else:  # nonzero never to 0 (x > 0: a positive pattern; nan and +inf are set next)
+            code = tl.where(bits > 0, tl.maximum(k, 1), 0)
+            code = tl.where(finite, code, tl.where(bits == 0x7F800000, _V_INF, _V_NAN))
+        return code, base1
+
+    @triton.jit
+    def _load_moment(ptr, scale_ptr, emask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
         if KIND == 2:
-            return _decode_uint8(ptr, absmax_ptr, eidx, bidx, emask, bmask, table_ptr, IS_EXP_AVG)
+            return _decode_uint8(ptr, scale_ptr, emask, bmask, IS_EXP_AVG)
         else:
-            return tl.load(ptr + eidx, mask=emask, other=0.0).to(tl.float32)
+            return tl.load(ptr, mask=emask).to(tl.float32)
 
     @triton.jit
-    def _dynamic_nearest(y, dyn_ptr, decades_ptr):
-        """encodings._dynamic_nearest: the index of the dynamic map's value nearest y (ties to the lower
-        index), mirrored for y < 0. The decade by comparisons; its candidates c - 1, c, c + 1."""
-        a = tl.abs(y)
-        i = tl.zeros(a.shape, dtype=tl.int32)
-        for d in tl.static_range(6):
-            i += (a >= tl.load(decades_ptr + d)).to(tl.int32)
-        levels = (1 << i).to(tl.float32)
-        t = tl.div_rn(a, tl.load(decades_ptr + i)) - 0.1
-        k = tl.floor(t * tl.div_rn(levels, 0.9) - 0.5 + 0.5)
-        k = tl.minimum(tl.maximum(k, 0.0), levels - 1.0).to(tl.int32)
-        c = 127 + (1 << i) + k
-        best = tl.minimum(tl.maximum(c - 1, 127), 255)
-        best_err = tl.abs(tl.load(dyn_ptr + best) - a)
-        for s in tl.static_range(2):
-            other = tl.minimum(tl.maximum(c + s, 127), 255)
-            err = tl.abs(tl.load(dyn_ptr + other) - a)
-            closer = err < best_err
-            best = tl.where(closer, other, best)
-            best_err = tl.where(closer, err, best_err)
-        return tl.where(y < 0, tl.maximum(254 - best, 0), best)
-
-    @triton.jit
-    def _store_moment(x, ptr, absmax_ptr, eidx, bidx, emask, bmask, position, seed, dyn_ptr, decades_ptr,
-                      levels_ptr, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr, SALT: tl.constexpr):
-        """encodings._encode_moment_ (x: [blocks, BLOCK] float32)."""
+    def _store_moment(x, ptr, scale_ptr, emask, bmask, r16, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
+        """encodings._encode_moment_ (x: [blocks, BLOCK] float32; r16: the moment's 16 random bits)."""
         if KIND == 0:
-            tl.store(ptr + eidx, x, mask=emask)
+            tl.store(ptr, x, mask=emask)
         elif KIND == 1:  # stochastic rounding: add 16 random bits below bfloat16's, truncate
-            bits = _hash(position, seed * 0x27D4EB2F + SALT) >> 16
-            t = (x.to(tl.uint32, bitcast=True) + bits) >> 16
-            tl.store(ptr.to(tl.pointer_type(tl.uint16)) + eidx, t.to(tl.uint16), mask=emask)
+            t = (x.to(tl.int32, bitcast=True) + r16) >> 16
+            t = tl.where(x != x, 0x7FC0, t)  # a nan: bfloat16's (its bits plus r16 could carry into the sign)
+            tl.store(ptr.to(tl.pointer_type(tl.int16)), t.to(tl.int16), mask=emask)
         else:
-            finite = tl.abs(x) < float("inf")  # false for nan and +-inf
-            flagged = tl.max((~finite).to(tl.int32), axis=1) > 0
-            xf = tl.where(finite, x, 0.0)
-            absmax = tl.max(tl.abs(xf), axis=1)
-            den = tl.where(absmax > 0, absmax, 1.0)
-            y = tl.div_rn(xf, den[:, None])
-            fl = flagged[:, None]
-            if IS_EXP_AVG:
-                index = _dynamic_nearest(y, dyn_ptr, decades_ptr)
-                reserved = (index == 128) | (index == 126) | (index == 129)
-                index = tl.where(fl & reserved, 127, index)
-                special = tl.where(x == float("inf"), 128, tl.where(x == -float("inf"), 126, 129))
-                index = tl.where(finite, index, special)
-                codes = (index - _DYN_ZERO_C) & 255
-            else:  # the largest level <= y (estimated by log2, corrected by comparisons), stochastic rounding up
-                est = tl.floor(255.0 + tl.log2(tl.maximum(y, 1.1754944e-38)) * _CODES_PER_OCTAVE)
-                lo = tl.minimum(tl.maximum(est, 1.0), 254.0).to(tl.int32)
-                lo = lo + (tl.load(levels_ptr + lo + 1) <= y).to(tl.int32) - (tl.load(levels_ptr + lo) > y).to(tl.int32)
-                lo = tl.minimum(tl.maximum(lo, 1), 254)
-                lo = tl.maximum(lo, tl.where(fl, 3, 1))
-                v_lo = tl.load(levels_ptr + lo)
-                v_hi = tl.load(levels_ptr + lo + 1)
-                p = tl.minimum(tl.maximum(tl.div_rn(y - v_lo, v_hi - v_lo), 0.0), 1.0)
-                u = (_hash(position, seed * 0x27D4EB2F + SALT) >> 8).to(tl.float32) * (1.0 / 16777216.0)
-                codes = tl.where(xf > 0, lo + (u < p).to(tl.int32), 0)
-                codes = tl.where(finite, codes, tl.where(x == float("inf"), 1, 2))
-            tl.store(ptr + eidx, codes.to(tl.uint8), mask=emask)
-            tl.store(absmax_ptr + bidx, tl.where(flagged, -absmax, absmax), mask=bmask)
+            code, base = _encode_uint8(x, r16, IS_EXP_AVG)
+            tl.store(ptr, code.to(tl.uint8), mask=emask)
+            tl.store(scale_ptr, base.to(tl.uint8), mask=bmask)
 
     @triton.jit
     def _moment_ptr(address, KIND: tl.constexpr):
@@ -256,79 +347,52 @@ if triton is not None:
             return address.to(tl.pointer_type(tl.uint8))
 
     @triton.jit
-    def _adam_kernel(work_ptr, table_ptr, scalars_ptr, grad_scale_ptr, found_inf_ptr,
-                     master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_absmax_ptr, v_absmax_ptr,
-                     dyn_ptr, decades_ptr, levels_ptr,
-                     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
-                     V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, STATE_IN_TABLE: tl.constexpr,
-                     NB: tl.constexpr, BLOCK_: tl.constexpr):
-        if HAS_FOUND_INF:
-            if tl.load(found_inf_ptr) != 0.0:
-                return
-        pid = tl.program_id(0)
-        t = tl.load(work_ptr + 2 * pid)
-        start = tl.load(work_ptr + 2 * pid + 1)
-        row = table_ptr + 14 * t
-        param = tl.load(row).to(tl.pointer_type(P_DTYPE))
-        grad = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
-        numel = tl.load(row + 2)
-        size = tl.load(row + 3)  # its elements in the state buffers: numel, padded to whole blocks when blocked
-        offset = tl.load(row + 4)
-        position0 = tl.load(row + 5)
-        if STATE_IN_TABLE:  # the tensor's own state tensors (offset 0 in them)
-            master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-            hi_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int8))
-            lo_ptr = tl.load(row + 8).to(tl.pointer_type(tl.uint8))
-            tie_ptr = tl.load(row + 9).to(tl.pointer_type(tl.uint8))
-            m_ptr = _moment_ptr(tl.load(row + 10), M_KIND)
-            v_ptr = _moment_ptr(tl.load(row + 11), V_KIND)
-            m_absmax_ptr = tl.load(row + 12).to(tl.pointer_type(tl.float32))
-            v_absmax_ptr = tl.load(row + 13).to(tl.pointer_type(tl.float32))
-        blocks = tl.arange(0, NB)
-        lanes = tl.arange(0, BLOCK_)
-        local = start + blocks[:, None] * BLOCK_ + lanes[None, :]  # int64, index in the flattened parameter
-        pmask = local < numel
-        emask = local < size
-        bmask = (start + blocks * BLOCK_) < size
-        eidx = offset + local  # flat state buffers
-        bidx = (offset + start) // BLOCK_ + blocks
-        position = (position0 + local).to(tl.uint32)
-        scalars_row = scalars_ptr + SCALARS_STRIDE * t  # one row for all, or one per tensor (capturable)
-        seed = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True)
-        c = scalars_row.to(tl.pointer_type(tl.float32))
-        decay_factor = tl.load(c)
-        l2 = tl.load(c + 1)
-        step_size = tl.load(c + 2)
-        sqrt_bias_correction2 = tl.load(c + 3)
-        one_minus_beta1 = tl.load(c + 4)
-        beta2 = tl.load(c + 5)
-        one_minus_beta2 = tl.load(c + 6)
-        eps = tl.load(c + 7)
-
-        g = tl.load(grad + local, mask=pmask, other=0.0).to(tl.float32)
+    def _tile(param, grad, e, eb, first, pmask, emask, bmask, lanes, idx, position0, scalars_row,
+              decay_factor, l2, step_size, sqrt_bias_correction2, reciprocal, special, one_minus_beta1, beta2,
+              one_minus_beta2, eps,
+              grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+              P_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+              L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr, CVT: tl.constexpr,
+              BLOCK_: tl.constexpr):
+        """One tile of the step: its elements ``idx`` from ``param``/``grad`` (the tile's first ones) and from
+        element ``e`` (block ``eb``) of the flat state buffers; ``first``: its first element's index in the
+        tensor."""
+        blocks = tl.arange(0, idx.shape[0])
+        g = tl.load(grad + idx, mask=pmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             g = g * tl.load(grad_scale_ptr)
-        p = tl.load(param + local, mask=pmask, other=0.0).to(tl.float32)
+        p = tl.load(param + idx, mask=pmask, other=0.0).to(tl.float32)
         # the weight: master sync (functional.sync_master_) or split decode (encodings._split_decode)
         if MASTER == 0:
             w = p
         elif MASTER == 1:
-            master = tl.load(master_ptr + eidx, mask=emask, other=0.0)
-            w = tl.where(_written(p, _round_to(master, P_DTYPE)), p, master)
+            master = tl.load(master_ptr + e + idx, mask=emask)
+            w = tl.where(_written(p, _round_to(master, P_DTYPE, CVT)), p, master)
         else:
-            tie = tl.load(tie_ptr + bidx, mask=bmask, other=0).to(tl.int32)
-            r = (tl.load(hi_ptr + eidx, mask=emask, other=0).to(tl.int32) * 256
-                 + tl.load(lo_ptr + eidx, mask=emask, other=0).to(tl.int32)
-                 + (lanes[None, :] == tie[:, None] - 1).to(tl.int32) * 65536)
+            # (state loads: no `other`; a masked-off block is neither stored nor met by a reduction)
+            tie = tl.load(tie_ptr + eb + blocks, mask=bmask).to(tl.int32) - 1  # its lane, or -1
+            r = ((tl.load(hi_ptr + e + idx, mask=emask).to(tl.int32) << 8)
+                 | tl.load(lo_ptr + e + idx, mask=emask).to(tl.int32))
+            r += tl.where(lanes[None, :] == tie[:, None], 65536, 0)
             if P_DTYPE == tl.bfloat16:
-                decoded = (p.to(tl.int32, bitcast=True) + r).to(tl.float32, bitcast=True)
+                pb = p.to(tl.int32, bitcast=True)
+                decoded = pb + r
+                # _written(p, round(decoded)) where p is finite and nonzero: round(decoded)'s pattern is not p's
+                # (the same sign: no carry reaches the sign bit; decoded is no nan); and p +-0, +-inf or nan:
+                # 2 |p|'s pattern less 2 (uint32) reaches 2 * 0x7F800000 - 2
+                if CVT:
+                    rounded = _round_to(decoded.to(tl.float32, bitcast=True), P_DTYPE, CVT)
+                    written = rounded.to(tl.int32, bitcast=True) != pb
+                else:  # r + 0x7FFF + (decoded's bit 16: the rounding's tie to even) outside [0, 2**16)
+                    written = (r + 0x7FFF + ((decoded >> 16) & 1)).to(tl.uint32, bitcast=True) >= 65536
+                keep = written | (((pb << 1) - 2).to(tl.uint32, bitcast=True) >= 0xFEFFFFFE)
+                w = tl.where(keep, pb, decoded).to(tl.float32, bitcast=True)
             else:
                 decoded = p + r.to(tl.float32) * (_fp16_ulp(p) * (1.0 / 65536.0))
-            keep = _written(p, _round_to(decoded, P_DTYPE)) | ~(tl.abs(p) < float("inf")) | (p == 0.0)
-            w = tl.where(keep, p, decoded)
-        m = _load_moment(m_ptr, m_absmax_ptr, eidx, bidx, emask, bmask, dyn_ptr, M_KIND, True)
-        v = _load_moment(v_ptr, v_absmax_ptr, eidx, bidx, emask, bmask, levels_ptr, V_KIND, False)
+                keep = _written(p, _round_to(decoded, P_DTYPE, CVT)) | ~(tl.abs(p) < float("inf")) | (p == 0.0)
+                w = tl.where(keep, p, decoded)
+        m = _load_moment(m_ptr + e + idx, m_scale_ptr + eb + blocks, emask, bmask, M_KIND, True)
+        v = _load_moment(v_ptr + e + idx, v_scale_ptr + eb + blocks, emask, bmask, V_KIND, False)
 
         # functional.adam_elementwise_, each operation rounded once
         if L2:
@@ -341,58 +405,163 @@ if triton is not None:
         if OPTIMIZED:
             d = root + eps
         else:
-            d = tl.div_rn(root, sqrt_bias_correction2) + eps
+            d = _div_by_coefficient(root, sqrt_bias_correction2, reciprocal, special) + eps
         w = w - tl.div_rn(m, d) * step_size
 
-        _store_moment(m, m_ptr, m_absmax_ptr, eidx, bidx, emask, bmask, position, seed, dyn_ptr, decades_ptr,
-                      levels_ptr, M_KIND, True, _SALT_EXP_AVG)
-        _store_moment(v, v_ptr, v_absmax_ptr, eidx, bidx, emask, bmask, position, seed, dyn_ptr, decades_ptr,
-                      levels_ptr, V_KIND, False, _SALT_EXP_AVG_SQ)
+        if M_KIND != 0 or V_KIND != 0:  # one hash per element: exp_avg the upper 16 bits, exp_avg_sq the lower
+            seed = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True)
+            position = (position0 + first).to(tl.uint32) + idx.to(tl.uint32)
+            h = _hash(position, seed * 0x27D4EB2F + _SALT_C).to(tl.int32, bitcast=True)
+            m_bits = (h >> 16) & 0xFFFF
+            v_bits = h & 0xFFFF
+        else:
+            m_bits = idx
+            v_bits = idx
+        _store_moment(m, m_ptr + e + idx, m_scale_ptr + eb + blocks, emask, bmask, m_bits, M_KIND, True)
+        _store_moment(v, v_ptr + e + idx, v_scale_ptr + eb + blocks, emask, bmask, v_bits, V_KIND, False)
         if MASTER == 0:
-            _store_param(param, local, w, pmask, P_DTYPE)
+            _store_param(param + idx, w, pmask, P_DTYPE, CVT)
         elif MASTER == 1:
-            tl.store(master_ptr + eidx, w, mask=emask)
-            _store_param(param, local, w, pmask, P_DTYPE)
+            tl.store(master_ptr + e + idx, w, mask=emask)
+            _store_param(param + idx, w, pmask, P_DTYPE, CVT)
         else:  # encodings._split_encode_
-            _store_param(param, local, w, pmask, P_DTYPE)
-            r32 = _round_to(w, P_DTYPE)
-            finite = tl.abs(r32) < float("inf")  # no remainder over nan or +-inf
             if P_DTYPE == tl.bfloat16:
-                rem = tl.where(finite, w.to(tl.int32, bitcast=True) - r32.to(tl.int32, bitcast=True), 0)
+                _store_param(param + idx, w, pmask, P_DTYPE, CVT)
+                rounded = _round_to(w, P_DTYPE, CVT)
+                # the difference of patterns; none over nan or +-inf (|rem| <= 2**15: nearest rounding)
+                rem = tl.where(tl.abs(rounded) < float("inf"),
+                               w.to(tl.int32, bitcast=True) - rounded.to(tl.int32, bitcast=True), 0)
             else:
+                _store_param(param + idx, w, pmask, P_DTYPE, CVT)
+                r32 = _round_to(w, P_DTYPE, CVT)
                 q = _round_half_even(tl.div_rn(w - r32, _fp16_ulp(r32)) * 65536.0)
-                rem = tl.where(finite, q, 0.0).to(tl.int32)
-            is_tie = rem == 32768
-            first = tl.min(tl.where(is_tie, lanes[None, :], BLOCK_), axis=1)
-            tl.store(tie_ptr + bidx, tl.where(first < BLOCK_, first + 1, 0).to(tl.uint8), mask=bmask)
-            rem = tl.where(is_tie & (lanes[None, :] == first[:, None]), -32768, tl.minimum(tl.maximum(rem, -32768), 32767))
-            tl.store(hi_ptr + eidx, (rem >> 8).to(tl.int8), mask=emask)
-            tl.store(lo_ptr + eidx, (rem & 255).to(tl.uint8), mask=emask)
+                rem = tl.where(tl.abs(r32) < float("inf"), q, 0.0).to(tl.int32)
+            first_tie = tl.min(tl.where(rem == 32768, lanes[None, :], BLOCK_), axis=1)  # (BLOCK: none)
+            tl.store(tie_ptr + eb + blocks, tl.where(first_tie < BLOCK_, first_tie + 1, 0).to(tl.uint8), mask=bmask)
+            # the first tie stores -2**15, the others 2**15 - 1
+            if P_DTYPE == tl.bfloat16:
+                rem = tl.minimum(rem, 32767)
+            else:
+                rem = tl.minimum(tl.maximum(rem, -32768), 32767)
+            rem = tl.where(lanes[None, :] == first_tie[:, None], -32768, rem)
+            tl.store(hi_ptr + e + idx, (rem >> 8).to(tl.int8), mask=emask)
+            tl.store(lo_ptr + e + idx, rem.to(tl.uint8), mask=emask)
 
 
     @triton.jit
-    def _uint8_kernel(x_ptr, code_ptr, absmax_ptr, seed_ptr, dyn_ptr, decades_ptr, levels_ptr,
-                      IS_EXP_AVG: tl.constexpr, ENCODE: tl.constexpr, NB: tl.constexpr, BLOCK_: tl.constexpr):
-        """The uint8 encoder (ENCODE) or decoder alone, over whole blocks from position 0 (tests)."""
+    def _adam_kernel(work_ptr, table_ptr, scalars_ptr, grad_scale_ptr, found_inf_ptr,
+                     master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+                     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
+                     V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, STATE_IN_TABLE: tl.constexpr,
+                     ALIGNED: tl.constexpr, CVT: tl.constexpr, NB: tl.constexpr, BLOCK_: tl.constexpr,
+                     CHUNK_: tl.constexpr):
+        if HAS_FOUND_INF:
+            if tl.load(found_inf_ptr) != 0.0:
+                return
+        BLOCKED: tl.constexpr = (MASTER == 2) or (M_KIND != 0) or (V_KIND != 0)
+        TILE_: tl.constexpr = NB * BLOCK_
+        pid = tl.program_id(0)
+        t = tl.load(work_ptr + 2 * pid)
+        start = tl.multiple_of(tl.load(work_ptr + 2 * pid + 1), CHUNK_)  # a multiple of CHUNK
+        row = table_ptr + 14 * t
+        numel = tl.load(row + 2)
+        size = tl.load(row + 3)  # its elements in the state buffers: numel, padded to whole blocks when blocked
+        offset = tl.load(row + 4)
+        if BLOCKED:
+            offset = tl.multiple_of(offset, BLOCK_)
+        elif ALIGNED:
+            offset = tl.multiple_of(offset, 8)
+        position0 = tl.load(row + 5)
+        param = tl.load(row).to(tl.pointer_type(P_DTYPE))
+        grad = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+        if ALIGNED:  # (a hint on a value made here: one on a jit function's argument is lost)
+            param = tl.multiple_of(param, 16)
+            grad = tl.multiple_of(grad, 16)
+        if STATE_IN_TABLE:  # the tensor's own state tensors (offset 0 in them)
+            master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+            hi_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int8))
+            lo_ptr = tl.load(row + 8).to(tl.pointer_type(tl.uint8))
+            tie_ptr = tl.load(row + 9).to(tl.pointer_type(tl.uint8))
+            m_ptr = _moment_ptr(tl.load(row + 10), M_KIND)
+            v_ptr = _moment_ptr(tl.load(row + 11), V_KIND)
+            m_scale_ptr = tl.load(row + 12).to(tl.pointer_type(tl.uint8))
+            v_scale_ptr = tl.load(row + 13).to(tl.pointer_type(tl.uint8))
+            if ALIGNED:
+                master_ptr = tl.multiple_of(master_ptr, 16)
+                hi_ptr = tl.multiple_of(hi_ptr, 16)
+                lo_ptr = tl.multiple_of(lo_ptr, 16)
+                m_ptr = tl.multiple_of(m_ptr, 16)
+                v_ptr = tl.multiple_of(v_ptr, 16)
+        scalars_row = scalars_ptr + SCALARS_STRIDE * t  # one row for all, or one per tensor (capturable)
+        c = scalars_row.to(tl.pointer_type(tl.float32))
+        decay_factor = tl.load(c)
+        l2 = tl.load(c + 1)
+        step_size = tl.load(c + 2)
+        sqrt_bias_correction2 = tl.load(c + 3)
+        one_minus_beta1 = tl.load(c + 4)
+        beta2 = tl.load(c + 5)
+        one_minus_beta2 = tl.load(c + 6)
+        eps = tl.load(c + 7)
+        reciprocal = tl.div_rn(1.0, sqrt_bias_correction2)  # (once: the divisor of every element)
+        special = _coefficient_special(reciprocal)
+
+        blocks = tl.arange(0, NB)
+        lanes = tl.arange(0, BLOCK_)
+        idx = blocks[:, None] * BLOCK_ + lanes[None, :]  # int32 indices from the tile's first element
+        block0 = (offset + start) >> 7  # (BLOCK_: 128) the program's first block in the per-block buffers
+        # the program's tiles of NB blocks (its CHUNK, cut at the state's end), one after the other
+        for tile in tl.range(0, tl.cdiv(tl.minimum(size - start, CHUNK_), TILE_)):
+            first = tl.multiple_of(start + tile * TILE_, TILE_)
+            left = tl.minimum(numel - first, TILE_).to(tl.int32)  # in the parameter
+            state_left = tl.minimum(size - first, TILE_).to(tl.int32)  # in the state buffers
+            if ALIGNED:
+                left = tl.multiple_of(left, 8)
+                state_left = tl.multiple_of(state_left, 8)
+            pmask = idx < left
+            bmask = blocks * BLOCK_ < state_left
+            if BLOCKED:  # whole blocks: one mask per block
+                emask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
+            else:
+                emask = idx < state_left
+            e = offset + first  # the tile's first element in the flat state buffers, and its first block
+            _tile(param + first, grad + first, e, block0 + tile * NB, first, pmask, emask, bmask, lanes, idx, position0,
+                  scalars_row, decay_factor, l2, step_size, sqrt_bias_correction2, reciprocal, special, one_minus_beta1,
+                  beta2, one_minus_beta2, eps,
+                  grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+                  P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, CVT, BLOCK_)
+
+    @triton.jit
+    def _uint8_kernel(x_ptr, code_ptr, scale_ptr, seed_ptr, IS_EXP_AVG: tl.constexpr, ENCODE: tl.constexpr,
+                      N: tl.constexpr, NB: tl.constexpr, BLOCK_: tl.constexpr):
+        """The uint8 encoder (ENCODE) or decoder alone, over N elements (whole blocks) from position 0 (tests)."""
         blocks = tl.program_id(0) * NB + tl.arange(0, NB)
         local = blocks[:, None] * BLOCK_ + tl.arange(0, BLOCK_)[None, :]
-        emask = local >= 0
-        bmask = blocks >= 0
+        bmask = blocks * BLOCK_ < N
+        emask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
         if ENCODE:
-            x = tl.load(x_ptr + local)
+            x = tl.load(x_ptr + local, mask=emask, other=0.0)
             seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
-            salt: tl.constexpr = _SALT_EXP_AVG if IS_EXP_AVG else _SALT_EXP_AVG_SQ
-            _store_moment(x, code_ptr, absmax_ptr, local, blocks, emask, bmask, local.to(tl.uint32), seed, dyn_ptr,
-                          decades_ptr, levels_ptr, 2, IS_EXP_AVG, salt)
+            h = _hash(local.to(tl.uint32), seed * 0x27D4EB2F + _SALT_C).to(tl.int32, bitcast=True)
+            r16 = (h >> 16) & 0xFFFF if IS_EXP_AVG else h & 0xFFFF
+            _store_moment(x, code_ptr + local, scale_ptr + blocks, emask, bmask, r16, 2, IS_EXP_AVG)
         else:
-            table = dyn_ptr if IS_EXP_AVG else levels_ptr
-            tl.store(x_ptr + local, _decode_uint8(code_ptr, absmax_ptr, local, blocks, emask, bmask, table, IS_EXP_AVG))
+            x = _decode_uint8(code_ptr + local, scale_ptr + blocks, emask, bmask, IS_EXP_AVG)
+            tl.store(x_ptr + local, x, mask=emask)
+
+    @triton.jit
+    def _divide_kernel(x_ptr, out_ptr, c_ptr, N: tl.constexpr, BLOCK_: tl.constexpr):
+        """_div_by_coefficient over N elements (tests)."""
+        i = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
+        c = tl.load(c_ptr)
+        x = tl.load(x_ptr + i, mask=i < N, other=0.0)
+        y = tl.div_rn(1.0, c)
+        tl.store(out_ptr + i, _div_by_coefficient(x, c, y, _coefficient_special(y)), mask=i < N)
 
 
 _TL_DTYPES = {}
 if tl is not None:
     _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
 
 
 def work_list(sizes: List[int], device: torch.device) -> Tensor:
@@ -409,14 +578,18 @@ def tensor_table(params: List[Tensor], grads: List[Tensor], sizes: List[int], of
                  positions: List[int], device: torch.device, states: Optional[List[Dict[str, Tensor]]] = None
                  ) -> Tensor:
     """The tensor table (int64 ``[len(params), 14]``, :data:`TABLE_COLUMNS`; the state columns from
-    ``states``, each tensor's own state, else 0); on a GPU copied without waiting."""
+    ``states``, each tensor's own state, else 0); on a GPU copied without waiting. Its attribute
+    ``aligned`` says whether every address in it is a multiple of 16 bytes and every element count,
+    size and offset a multiple of :data:`VECTOR` (the launch then moves 16 bytes at a time)."""
     own = [[st[k].data_ptr() if k in st else 0 for k in STATE_COLUMNS] for st in states] if states else None
     rows = [[p.data_ptr(), g.data_ptr(), p.numel(), n, o, q] + (own[i] if own else [0] * len(STATE_COLUMNS))
             for i, (p, g, n, o, q) in enumerate(zip(params, grads, sizes, offsets, positions))]
+    aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[2] % VECTOR == 0 and r[3] % VECTOR == 0
+                  and r[4] % VECTOR == 0 and all(a % 16 == 0 for a in r[6:]) for r in rows)
     host = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    table = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    table.aligned = aligned
+    return table
 
 
 def scalars(coefficients: Tuple[float, ...], step: int, device: torch.device) -> Tensor:
@@ -439,47 +612,68 @@ def device_scalars(coefficients: Tuple[Tensor, ...], steps: Tensor) -> Tensor:
     return torch.stack(columns, 1)
 
 
-def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tensor], tables, *,
+def _blocks_per_tile() -> int:
+    return INTERPRETED_BLOCKS_PER_TILE if interpreted() else BLOCKS_PER_TILE
+
+
+def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tensor], *,
            param_dtype: torch.dtype, grad_dtype: torch.dtype, master: int, exp_avg: torch.dtype,
            exp_avg_sq: torch.dtype, l2: bool, optimized_update: bool, grad_scale: Optional[Tensor] = None,
            found_inf: Optional[Tensor] = None) -> None:
     """One launch of the kernel over the programs of ``work`` (see the module docstring).
 
-    ``scalars_``: :func:`scalars` (one row for every tensor) or :func:`device_scalars` (a row per
-    tensor-table row); ``stored``: the bucket's flat state buffers by key (empty: each tensor's own state
-    tensors are in the table)
-    (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`); ``tables``:
-    :func:`halfadam.encodings.tables` (uint8 moments) or ``None``; ``grad_scale``, ``found_inf``:
-    1-element float32 device tensors or ``None``.
+    ``table``: :func:`tensor_table` (its ``aligned`` attribute, when it has one, picks the kernel that
+    moves 16 bytes at a time); ``scalars_``: :func:`scalars` (one row for every tensor) or
+    :func:`device_scalars` (a row per tensor-table row); ``stored``: the bucket's flat state buffers by
+    key (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`; empty: each
+    tensor's own state tensors are in the table); ``grad_scale``, ``found_inf``: 1-element float32
+    device tensors or ``None``.
     """
     dummy = scalars_
     get = lambda key: stored.get(key, dummy)  # noqa: E731  (stored empty: the state is in the table)
-    dyn, decades, levels = tables if tables is not None else (dummy, dummy, dummy)
+    aligned = bool(getattr(table, "aligned", False)) and all(t.data_ptr() % 16 == 0 for t in stored.values())
     _adam_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
         get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), get("exp_avg"),
-        get("exp_avg_sq"), get("exp_avg_absmax"), get("exp_avg_sq_absmax"), dyn, decades, levels,
+        get("exp_avg_sq"), get("exp_avg_scale"), get("exp_avg_sq_scale"),
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, NB=BLOCKS_PER_PROGRAM,
-        BLOCK_=BLOCK, enable_fp_fusion=False)
+        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, ALIGNED=aligned,
+        CVT=not interpreted(),
+        NB=_blocks_per_tile(), BLOCK_=BLOCK, CHUNK_=CHUNK, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
-def encode_uint8(name: str, x: Tensor, seed: int, tables) -> Tuple[Tensor, Tensor]:
+def encode_uint8(name: str, x: Tensor, seed: int) -> Tuple[Tensor, Tensor]:
     """``x`` (float32, whole blocks, one parameter from position 0) encoded as ``name``'s uint8 moment by the
-    kernel's encoder: (codes, stored absmax). The test suite compares it with :mod:`halfadam.encodings`."""
-    codes = torch.zeros(x.numel(), dtype=torch.uint8, device=x.device)
-    absmax = torch.zeros(x.numel() // BLOCK, dtype=torch.float32, device=x.device)
-    seed_t = torch.tensor([seed & 0x7FFFFFFF], dtype=torch.int32, device=x.device)
-    _uint8_kernel[(x.numel() // CHUNK,)](x, codes, absmax, seed_t, *tables, IS_EXP_AVG=name == "exp_avg", ENCODE=True,
-                                         NB=BLOCKS_PER_PROGRAM, BLOCK_=BLOCK, enable_fp_fusion=False)
-    return codes, absmax
+    kernel's encoder with the random bits of step ``seed``: (codes, scales). The test suite compares it
+    with :mod:`halfadam.encodings`."""
+    n = x.numel()
+    codes = torch.zeros(n, dtype=torch.uint8, device=x.device)
+    scale = torch.zeros(n // BLOCK, dtype=torch.uint8, device=x.device)
+    seed = int(seed) & 0xFFFFFFFF
+    seed_t = torch.tensor([seed - (1 << 32) if seed >= 1 << 31 else seed], dtype=torch.int32, device=x.device)
+    nb = _blocks_per_tile()
+    _uint8_kernel[(-(-n // (nb * BLOCK)),)](x, codes, scale, seed_t, IS_EXP_AVG=name == "exp_avg", ENCODE=True,
+                                            N=n, NB=nb, BLOCK_=BLOCK, num_warps=NUM_WARPS,
+                                            enable_fp_fusion=False)
+    return codes, scale
 
 
-def decode_uint8(name: str, codes: Tensor, absmax: Tensor, tables) -> Tensor:
-    """The kernel's decoder of ``name``'s uint8 codes and stored absmax (float32)."""
-    out = torch.zeros(codes.numel(), dtype=torch.float32, device=codes.device)
-    _uint8_kernel[(codes.numel() // CHUNK,)](out, codes, absmax, absmax, *tables, IS_EXP_AVG=name == "exp_avg",
-                                             ENCODE=False, NB=BLOCKS_PER_PROGRAM, BLOCK_=BLOCK, enable_fp_fusion=False)
+def divide_by_coefficient(x: Tensor, c: float) -> Tensor:
+    """The kernel's ``x / c`` for the step's ``sqrt_bias_correction2`` ``c`` (float32 ``x``; tests)."""
+    out = torch.empty_like(x)
+    c_t = torch.tensor([c], dtype=torch.float32, device=x.device)
+    _divide_kernel[(-(-x.numel() // 1024),)](x, out, c_t, N=x.numel(), BLOCK_=1024, enable_fp_fusion=False)
+    return out
+
+
+def decode_uint8(name: str, codes: Tensor, scale: Tensor) -> Tensor:
+    """The kernel's decoder of ``name``'s uint8 codes over their blocks' scales (float32)."""
+    n = codes.numel()
+    out = torch.zeros(n, dtype=torch.float32, device=codes.device)
+    nb = _blocks_per_tile()
+    _uint8_kernel[(-(-n // (nb * BLOCK)),)](out, codes, scale, scale, IS_EXP_AVG=name == "exp_avg", ENCODE=False,
+                                            N=n, NB=nb, BLOCK_=BLOCK, num_warps=NUM_WARPS,
+                                            enable_fp_fusion=False)
     return out
