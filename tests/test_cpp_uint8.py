@@ -246,6 +246,10 @@ def _grads(n, gen, dtype):
     g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 5, (n,), generator=gen).float())
     g[torch.rand(n, generator=gen) < 0.01] = math.nan
     g[torch.rand(n, generator=gen) < 0.01] = math.inf
+    # nans whose payloads, truncated to bfloat16 with random bits added, would carry into the sign bit
+    # (0xFFFFFFFF: +0) or leave an infinity (0x7F800001): a bfloat16 moment stores them as nan
+    payloads = torch.tensor([-1, 0x7FFFFFFF, 0x7F800001, 0x7FBFFFFF], dtype=torch.int32).view(torch.float32)
+    g = torch.where(torch.rand(n, generator=gen) < 0.02, payloads[torch.randint(0, 4, (n,), generator=gen)], g)
     g.view(-1, 128)[3] = 0.0  # a block of zero gradients
     g.view(-1, 128)[5] *= 1e-30
     g.view(-1, 128)[6] *= 1e30  # g * g overflows
