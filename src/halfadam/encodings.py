@@ -542,9 +542,9 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
     r = rounding.to(torch.int32).view(-1, BLOCK)  # 16 random bits, put below the kept ones
     k = _encode_magnitude(torch.where(finite, blocks.abs(), 0.0), base, r, name)
     if name == "exp_avg":  # the sign bit, a nan's aside (whatever pattern an execution writes)
-        negative = blocks.view(torch.int32) < 0
-        code = torch.where(finite, k, torch.where(blocks.isnan(), _NAN_CODE[name], _INF_CODE[name]))
-        code = torch.where(negative & ~blocks.isnan(), code + 128, code)
+        nan = blocks.isnan()
+        code = torch.where(finite, k, torch.where(nan, _NAN_CODE[name], _INF_CODE[name]))
+        code = torch.where((blocks.view(torch.int32) < 0) & ~nan, code + 128, code)
     else:  # nonzero never to 0: m / sqrt(v) must not explode
         code = torch.where(blocks > 0, torch.clamp(k, min=1), 0)
         code = torch.where(finite, code, torch.where(blocks == math.inf, _INF_CODE[name], _NAN_CODE[name]))
