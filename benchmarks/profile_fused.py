@@ -53,8 +53,7 @@ def main():
 
     def per_param_kernels():  # what the step runs: one call per (large) parameter, in place
         for i, (p, g) in enumerate(zip(ps, grads)):
-            s = slice(b.offsets[i], b.offsets[i] + b.numels[i])
-            kernel(b.segment(s.start, s.stop), g.view(-1), p.detach().view(-1), c, seed, None, None, **kw)
+            kernel(b.segment(i, i + 1), g.view(-1), p.detach().view(-1), c, seed, None, None, **kw)
 
     flat_grad = torch.cat([g.view(-1) for g in grads])
     flat_out = torch.empty(n, dtype=torch.float16)
@@ -67,7 +66,7 @@ def main():
         "halfadam fused step (fp16 params)": opt.step,
         "  per-step scalars (eager 0-d ops)": coeffs,
         "  compiled kernel, one call per parameter": per_param_kernels,
-        "(same kernel over one flat buffer)": lambda: kernel(b.segment(0, n), flat_grad, flat_out, c, seed, None, None,
+        "(same kernel over one flat buffer)": lambda: kernel(b.segment(0, len(ps)), flat_grad, flat_out, c, seed, None, None,
                                                              **kw),
         "torch.optim.AdamW(fused=True) fp32": topt.step,
         "copy 14 B/param -> 14 B/param (bandwidth floor)": lambda: dst.copy_(src[: n * 7 // 2]),

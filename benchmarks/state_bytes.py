@@ -10,9 +10,10 @@ and BERT-base (Hugging Face transformers), ViT-B/16, ResNet-50, ConvNeXt-T and E
 (built by the package).
 
 Per architecture and bf16 parameters with master weights, each mode's bytes are counted from
-:mod:`halfadam.encodings` as the optimizer lays them out (``for_param``: parameters whose rows are not
-whole 128-element blocks keep float32 fields), including each parameter's 4-byte step count. The
-"falls back" column is the share of parameters whose format loses the mode's per-block encodings.
+:mod:`halfadam.encodings` as the optimizer lays them out (``state_nbytes``: per element, and per block
+of 128 elements of a row, a row's short last block counted as one; ``for_param``: 1-D parameters keep
+float32 fields), including each parameter's 4-byte step count. The "falls back" column is the share
+of parameters whose format loses the mode's per-block encodings (the 1-D ones).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def state_bytes(shapes: List[Shape], mode: str, dtype: torch.dtype = torch.bfloa
     for shape in shapes:
         n = math.prod(shape)
         own = encodings.for_param(fmt, torch.empty(shape, dtype=dtype, device="meta"), True)
-        total += n * encodings.bytes_per_element(own) + 4  # + the 0-d float32 step
+        total += encodings.state_nbytes(own, shape) + 4  # + the 0-d float32 step
         numel += n
         fallen += n if own != fmt else 0
     return total / numel, fallen / numel

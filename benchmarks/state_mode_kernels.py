@@ -61,7 +61,8 @@ def main() -> None:
         if args.impl == "cpp":
             kernel, floats = cpu_kernel.load(), [float(c) for c in coefficients]
             runs[name] = (lambda stored=stored, grad=grad, param=param:
-                          kernel.adam_step([param], [grad], stored, [0], floats, None, False, False, 3, []))
+                          kernel.adam_step([param], [grad], stored, [0], [0], [n], floats, None, False, False, 3,
+                                           []))
         else:
             runs[name] = (lambda stored=stored, grad=grad, param=param, seed=seed, kwargs=kwargs:
                           X._run_kernel("fused", stored, grad, param, coefficients, seed, None, **kwargs))

@@ -273,8 +273,8 @@ def _step_both(kernel, fmt, stored, p, g, coefficients, step, decay, optimized, 
                       exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized)
     out = {k: v.clone() for k, v in stored.items()}
     out_p = p.clone()
-    kernel.adam_step([out_p], [g], out, [0], list(coefficients), grad_scale, decay == "l2", optimized, step,
-                     [position])
+    kernel.adam_step([out_p], [g], out, [0], [0], [n], list(coefficients), grad_scale, decay == "l2", optimized,
+                     step, [position])  # one row: blocks over the flat parameter
     return (out_p, out), (ref_p, {k: v for k, v in ref.items() if k in out})
 
 

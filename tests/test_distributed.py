@@ -334,7 +334,7 @@ def scenario_dcp(rank, out):
 
 
 def make_wide_model(dtype):
-    """make_model with 128 inputs: the first weight's rows are whole blocks (per-block state applies)."""
+    """make_model with 128 inputs: the first weight's rows are whole blocks, the second's one short block."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(128, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
 
@@ -603,7 +603,7 @@ def test_state_modes_ddp_zero_fsdp(runs):
         assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale",
                                        "master_hi", "master_lo", "master_tie", "step"]
         assert r["fsdp_equal_unsharded"] and r["fsdp_equal_unsharded_state"]
-        # the [16, 128] weight keeps uint8 moments; the biases and the [3, 16] weight (rows of 16) float32 ones
-        assert r["fsdp_exp_avg"] == [(True, "torch.uint8")] + [(True, "torch.float32")] * 3
+        # both weights keep uint8 moments (the [3, 16] one in rows of one short block), the 1-D biases float32 ones
+        assert r["fsdp_exp_avg"] == [(True, "torch.uint8"), (True, "torch.float32")] * 2
         if HAS_TRITON:  # FSDP2's local shards through the Triton kernel: the unsharded run's bits
             assert r["fsdp_triton_equal_unsharded"] is True

@@ -3,9 +3,9 @@
 The same gradients are fed to one unsharded optimizer in this process and to FSDP2 (``fully_shard``)
 models on 1, 2 and 4 gloo ranks (:func:`halfadam.distributed.launch`); every parameter, master and
 encoded state tensor (codes, scales, split remainders and tie bytes), gathered, must be bitwise the
-unsharded one. The model's shapes cover rows of 1, 2 and 3 blocks, row counts that do not divide by
-the world size (4 ranks over 3 rows: an empty shard) and parameters whose rows are not whole blocks
-(1-D biases, rows of 9), which keep float32 fields (``halfadam.encodings.for_param``). DCP checkpoints
+unsharded one. The model's shapes cover rows of 1, 2 and 3 blocks, rows of one short block (9
+elements), row counts that do not divide by the world size (4 ranks over 3 rows: an empty shard) and
+1-D biases, which keep float32 fields (``halfadam.encodings.for_param``). DCP checkpoints
 written on 1 and 2 ranks load on 2 ranks and in one process, bitwise; checkpoints load into optimizers
 of another mode (one process, and FSDP2 on 1, 2, 4 ranks) as a single-process state dict does; the
 GradScaler's agreed skip changes no byte of any shard.
@@ -45,7 +45,7 @@ CONVERTED = [(mode, dtype) for mode in ("split", "bf16", "compact") for dtype in
 
 def make_model(dtype):
     torch.manual_seed(0)
-    # weights [9, 384] (3 blocks per row, 9 rows), [128, 9] (rows of 9: float32 fields), [3, 128]
+    # weights [9, 384] (3 blocks per row, 9 rows), [128, 9] (rows of one short block of 9), [3, 128]
     # (1 block per row, 3 rows: on 4 ranks one shard is empty); the biases are 1-D (float32 fields)
     return nn.Sequential(nn.Linear(384, 9), nn.Tanh(), nn.Linear(9, 128), nn.Tanh(), nn.Linear(128, 3)).to(dtype)
 
@@ -279,9 +279,10 @@ def test_sharded_state_is_bitwise_the_unsharded_one(runs, case):
     mode, dtype = case
     if mode == "compact" and dtype != "fp32":  # the per-block state really is there, and sharded with its rows
         assert {"0.weight.exp_avg_sq_scale", "0.weight.master_tie", "4.weight.exp_avg_scale",
-                "0.bias.master_weight", "2.weight.master_weight", "2.weight.exp_avg"} <= set(expected)
+                "0.bias.master_weight", "2.weight.master_tie", "2.weight.exp_avg_scale"} <= set(expected)
         assert tuple(expected["0.weight.exp_avg_scale"].shape) == (9, 3)
-        assert expected["2.weight.exp_avg"].dtype == torch.float32  # rows of 9: float32 fields
+        assert tuple(expected["2.weight.exp_avg_scale"].shape) == (128, 1)  # rows of 9: one short block each
+        assert expected["2.weight.exp_avg"].dtype == torch.uint8
     for world in (1, 2, 4):
         assert same(_result(runs, world, case)["state"], expected), f"{world} ranks"
         if cpu_kernel.load() is not None:  # every shard went through the C++ kernel, none the reference

@@ -40,4 +40,6 @@ def test_bytes_are_the_optimizers_layout():
     assert state_bytes.state_bytes(shapes, "compact")[0] == pytest.approx(stored / sum(p.numel() for p in params))
     # rows of whole blocks: remainder 2 + codes 1 + 1, a tie byte and two uint8 scales per block
     assert state_bytes.state_bytes([(3, 256)], "compact") == (pytest.approx(4 + 3 / 128 + 4 / 768), 0.0)
-    assert state_bytes.state_bytes(shapes, "compact")[1] == pytest.approx(41 / 809)  # (5,) and (4, 9) fall back
+    # rows of 9: one short block each, its 3 bytes over 9 elements
+    assert state_bytes.state_bytes([(4, 9)], "compact") == (pytest.approx(4 + 3 / 9 + 4 / 36), 0.0)
+    assert state_bytes.state_bytes(shapes, "compact")[1] == pytest.approx(5 / 809)  # (5,) falls back

@@ -70,8 +70,8 @@ def _decode(param, low, tie):
 
 def _mlp(dtype, seed=0):
     """Linear 128-128-1 with a tanh, its weights in ``dtype``: both weights ([128, 128], [1, 128]) have
-    rows of whole blocks of 128, so the per-block encodings (split master, uint8 moments) apply to
-    them; the biases (1-D) keep float32 fields (:func:`halfadam.encodings.for_param`)."""
+    rows, so the per-block encodings (split master, uint8 moments) apply to them; the biases (1-D)
+    keep float32 fields (:func:`halfadam.encodings.for_param`)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 1))
@@ -80,14 +80,19 @@ def _mlp(dtype, seed=0):
 
 def _blocked(p):
     """Whether the per-block encodings apply to parameter ``p`` by the documented rule (written out here,
-    not :func:`halfadam.encodings.rows_fit_blocks`): at least 2 dims and each row (index of dim 0) a
-    positive whole number of blocks of 128 elements. (The tests' parameters all have rows.)"""
-    return p.dim() >= 2 and math.prod(p.shape[1:]) > 0 and math.prod(p.shape[1:]) % 128 == 0
+    not :func:`halfadam.encodings.has_rows`): at least 2 dims and rows (indices of dim 0) that are not
+    empty. (The tests' parameters all have rows.)"""
+    return p.dim() >= 2 and math.prod(p.shape[1:]) > 0
+
+
+def _blocks(p):
+    """The blocks of ``p`` by the documented rule: each row cut into blocks of 128, its last one shorter."""
+    return p.shape[0] * -(-math.prod(p.shape[1:]) // 128)
 
 
 def _fallback(fmt):
-    """``fmt`` as it applies to a parameter whose rows are not whole blocks: an fp32 master and float32
-    moments where ``fmt`` has per-block ones (bfloat16 moments stay), derived here, not by for_param."""
+    """``fmt`` as it applies to a 1-D parameter: an fp32 master and float32 moments where ``fmt`` has
+    per-block ones (bfloat16 moments stay), derived here, not by for_param."""
     moment = {torch.uint8: torch.float32, torch.float32: torch.float32, torch.bfloat16: torch.bfloat16}
     return E.StateFormat("fp32", moment[fmt.exp_avg], moment[fmt.exp_avg_sq])
 
@@ -647,9 +652,10 @@ def test_bf16_stochastic_rounding_is_unbiased_and_deterministic():
 
 
 # ============================================================================ 3. mode x execution x dtype vs torch
-#: Two direct (>= 65536 elements), two packed; the 2-D ones have rows of whole blocks (the per-block
-#: encodings apply), the 1-D ones keep float32 fields in their place (and have padded blocks).
-SHAPES = [(300, 256), (70000,), (5,), (3, 128)]
+#: Two direct (>= 65536 elements), three packed; the 2-D ones have rows (the per-block encodings
+#: apply), of whole blocks or ending in a short one (200 = 128 + 72); the 1-D ones keep float32 fields
+#: in their place (and have padded blocks).
+SHAPES = [(300, 256), (70000,), (5,), (3, 128), (70, 200)]
 STEPS = 30
 LR, WD = 1e-2, 0.1
 
@@ -800,7 +806,7 @@ def test_state_bytes_per_element(mode, impl):
     fmt = E.PRESETS[mode]
     assert E.bytes_per_element(fmt, True) == HALF_BYTES[mode]
     assert E.bytes_per_element(fmt, False) == FP32_BYTES[mode]
-    # rows of whole blocks: (3, 256), (20, 384), (1, 128); not: 1-D, rows of 3 or 257
+    # rows of whole blocks: (3, 256), (20, 384), (1, 128); rows ending in a short block: 257, 3; 1-D
     shapes = [(3, 256), (128,), (5,), (300, 257), (20, 384), (256, 3), (1, 128)]
     params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in shapes]
     params += [torch.randn(s).requires_grad_() for s in shapes]
@@ -812,12 +818,13 @@ def test_state_bytes_per_element(mode, impl):
         half = p.dtype in HALF
         nbytes = sum(t.nbytes for k, t in opt.state[p].items() if k != "step")
         n = p.numel()
-        if _blocked(p):  # the mode's encodings: numel is a multiple of 128, no padding
-            assert nbytes / n == (HALF_BYTES if half else FP32_BYTES)[mode], (p.shape, mode)
+        if _blocked(p):  # the mode's encodings: no padding, the per-block bytes once per block
             element_bytes = {"fp32": 12 if half else 8, "split": 10 if half else 8,
                              "bf16": 6 if half else 4, "compact": 4 if half else 2}[mode]
             per_block = round(((HALF_BYTES if half else FP32_BYTES)[mode] - element_bytes) * 128)
-            assert nbytes == element_bytes * n + per_block * (n // 128), (p.shape, mode)
+            assert nbytes == element_bytes * n + per_block * _blocks(p), (p.shape, mode)
+            if n % 128 == 0 and _blocks(p) == n // 128:
+                assert nbytes / n == (HALF_BYTES if half else FP32_BYTES)[mode], (p.shape, mode)
         else:  # an fp32 master (half parameters) and float32 moments; bfloat16 moments stay: no per-block bytes
             moments = {"fp32": 8, "split": 8, "bf16": 4, "compact": 8}[mode]
             assert nbytes == ((4 if half else 0) + moments) * n, (p.shape, mode)
@@ -844,37 +851,52 @@ def _three_param_steps(model, opt, steps, start=0):
 
 
 @pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
-def test_per_block_state_only_on_rows_of_whole_blocks(impl):
-    """compact: the [3, 256] weight keeps split master and uint8 moments with per-block keys of shape
-    (rows, blocks per row) = (3, 2); the [3, 64] weight and the bias keep an fp32 master and float32
-    moments, exactly the fp32 mode's state; the state_dict loads into a fresh compact optimizer bit for
-    bit (and both continue alike)."""
-    assert [E.rows_fit_blocks(s) for s in [(3, 256), (3, 64), (3,), (256,), (), (2, 2, 64), (2, 200), (4, 0)]] == [
-        True, False, False, False, False, True, False, False]
-    assert E.block_shape((3, 256)) == (3, 2) and E.block_shape((2, 2, 64)) == (2, 1)
+def test_per_block_state_on_every_parameter_with_rows(impl):
+    """compact: both weights keep split master and uint8 moments with per-block keys of shape (rows,
+    blocks per row): (3, 2) for the [3, 256] one, (3, 1) for the [3, 64] one, whose rows are one short
+    block each (its scales are its rows' own, by the documented rule); the bias keeps an fp32 master
+    and float32 moments, exactly the fp32 mode's state; the state_dict loads into a fresh compact
+    optimizer bit for bit (and both continue alike)."""
+    assert [E.has_rows(s) for s in [(3, 256), (3, 64), (3,), (256,), (), (2, 2, 64), (2, 200), (4, 0)]] == [
+        True, True, False, False, False, True, True, False]
+    assert [E.block_shape(s) for s in [(3, 256), (2, 2, 64), (3, 64), (2, 200), (5, 3, 3, 3), (300,)]] == [
+        (3, 2), (2, 1), (3, 1), (2, 2), (5, 1), (3,)]
     model = _ThreeParams()
     opt = _adamw(model.parameters(), "compact", impl)
     _three_param_steps(model, opt, 3)
     w1, w2, b = model.w1, model.w2, model.b
-    st = opt.state[w1]
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in st.items() if k != "step"} == {
-        "master_hi": (torch.int8, (3, 256)), "master_lo": (torch.uint8, (3, 256)), "master_tie": (torch.uint8, (3, 2)),
-        "exp_avg": (torch.uint8, (3, 256)), "exp_avg_scale": (torch.uint8, (3, 2)),
-        "exp_avg_sq": (torch.uint8, (3, 256)), "exp_avg_sq_scale": (torch.uint8, (3, 2))}
-    assert (st["exp_avg_scale"] > 0).all() and (opt.master_weight(w1) != w1.float()).any()
-    for p in (w2, b):
-        assert {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[p].items() if k != "step"} == {
-            "master_weight": (torch.float32, tuple(p.shape)), "exp_avg": (torch.float32, tuple(p.shape)),
-            "exp_avg_sq": (torch.float32, tuple(p.shape))}
+    for p, blocks in ((w1, 2), (w2, 1)):
+        st = opt.state[p]
+        shape, per_block = tuple(p.shape), (3, blocks)
+        assert {k: (v.dtype, tuple(v.shape)) for k, v in st.items() if k != "step"} == {
+            "master_hi": (torch.int8, shape), "master_lo": (torch.uint8, shape), "master_tie": (torch.uint8, per_block),
+            "exp_avg": (torch.uint8, shape), "exp_avg_scale": (torch.uint8, per_block),
+            "exp_avg_sq": (torch.uint8, shape), "exp_avg_sq_scale": (torch.uint8, per_block)}
+        assert (st["exp_avg_scale"] > 0).all() and (opt.master_weight(p) != p.float()).any()
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[b].items() if k != "step"} == {
+        "master_weight": (torch.float32, (3,)), "exp_avg": (torch.float32, (3,)), "exp_avg_sq": (torch.float32, (3,))}
     # the fallback is the fp32 mode, bit for bit (no encoding, no random bits)
     ref = _ThreeParams()
     ref_opt = _adamw(ref.parameters(), "fp32", impl)
     _three_param_steps(ref, ref_opt, 3)
-    for p, q in ((w2, ref.w2), (b, ref.b)):
-        assert _same_bits(p, q)
-        assert opt.state[p].keys() == ref_opt.state[q].keys()
-        for key in opt.state[p]:
-            assert _same_bits(opt.state[p][key], ref_opt.state[q][key]), key
+    assert _same_bits(b, ref.b) and opt.state[b].keys() == ref_opt.state[ref.b].keys()
+    for key in opt.state[b]:
+        assert _same_bits(opt.state[b][key], ref_opt.state[ref.b][key]), key
+    # one step: the [3, 64] weight's scales are its rows' (a block of 64 each, not 128 over the flat
+    # parameter): the biased float32 exponent of each row's largest moment less the span (exp_avg: 15
+    # binades, 14; exp_avg_sq: 27, 26), from the fp32 mode's exact moments; each decoded moment within
+    # a sixteenth of its row's largest, in the top binades
+    one, one_ref = _ThreeParams(), _ThreeParams()
+    opt1, ref1 = _adamw(one.parameters(), "compact", impl), _adamw(one_ref.parameters(), "fp32", impl)
+    _three_param_steps(one, opt1, 1)
+    _three_param_steps(one_ref, ref1, 1)
+    for name, span in (("exp_avg", 14), ("exp_avg_sq", 26)):
+        exact = ref1.state[one_ref.w2][name]
+        biased = (exact.abs().amax(dim=1).view(torch.int32) >> 23)
+        assert torch.equal(opt1.state[one.w2][f"{name}_scale"].view(-1).to(torch.int32), (biased - span).clamp(min=1))
+        decoded = E.decode_state(E.PRESETS["compact"], one.w2.detach(), opt1.state[one.w2], (name,))[name]
+        step = exact.abs().amax(dim=1, keepdim=True) / 16  # 4 mantissa bits in the top binades: below 1/16 of a binade
+        assert ((decoded - exact).abs() <= step).all(), name
     # the state_dict round-trips through a fresh compact optimizer, bit for bit
     sd = opt.state_dict()
     twin = _ThreeParams(seed=1)
@@ -1353,7 +1375,7 @@ def test_overrides():
 
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 def test_pickle_and_deepcopy_keep_the_state_format(how):
-    # per-block state on the first; float32 fields on the others (1-D with a padded block, rows of 4)
+    # per-block state on the 2-D ones (rows of two blocks, rows of one short block); float32 fields on the 1-D one
     params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in [(3, 256), (130,), (3, 4)]]
     opt = _adamw(params, "compact", "foreach")
     for _ in range(2):
@@ -1419,7 +1441,8 @@ def test_cpp_encodings_are_the_torch_encodings_bit_for_bit(dtype):
     float32 sqrt is not always correctly rounded, the C++ kernel's and Inductor's are.)"""
     def run(mode):
         torch.manual_seed(0)
-        # rows of whole blocks: (3, 256), (300, 256), (2, 128); float32 masters: 1-D, rows of 3 or 257
+        # rows of whole blocks: (3, 256), (300, 256), (2, 128); rows ending in a short block: 257, 3;
+        # float32 masters: 1-D
         shapes = [(3, 256), (128,), (5,), (300, 257), (256, 3), (300, 256)]
         params = [torch.randn(s).to(dtype).requires_grad_() for s in shapes]
         params.append(torch.full((2, 128), 1.71875).to(dtype).requires_grad_())  # equal weights: exact ties
@@ -1440,22 +1463,27 @@ def test_cpp_encodings_are_the_torch_encodings_bit_for_bit(dtype):
             assert "master_lo" not in sb and "master_tie" not in sb
             assert torch.equal(_bits(sb["master_weight"]), _bits(s32["master_weight"]))
         else:
+            # the encoders run on each row padded with zeros to whole blocks (its short block's tail)
             split += 1
             assert "master_weight" not in sb
-            master = s32["master_weight"].reshape(-1).clone()
-            expected = {"master_hi": torch.empty(n, dtype=torch.int8), "master_lo": torch.empty(n, dtype=torch.uint8),
-                        "master_tie": torch.empty(n // 128, dtype=torch.uint8)}
-            E._split_encode_(master, torch.empty(n, dtype=dtype), expected["master_hi"], expected["master_lo"],
-                             expected["master_tie"])
+            rows, length = a.shape[0], a[0].numel()
+            padded = -(-length // 128) * 128
+            master = torch.zeros(rows, padded)
+            master[:, :length] = s32["master_weight"].reshape(rows, length)
+            m = rows * padded
+            expected = {"master_hi": torch.empty(m, dtype=torch.int8), "master_lo": torch.empty(m, dtype=torch.uint8),
+                        "master_tie": torch.empty(m // 128, dtype=torch.uint8)}
+            E._split_encode_(master.view(-1), torch.empty(m, dtype=dtype), expected["master_hi"],
+                             expected["master_lo"], expected["master_tie"])
             for key in ("master_hi", "master_lo"):
-                assert torch.equal(sb[key].reshape(-1), expected[key]), key
-            assert sb["master_tie"].shape == (a.shape[0], a[0].numel() // 128)  # (rows, blocks per row)
+                assert torch.equal(sb[key].reshape(rows, length), expected[key].view(rows, padded)[:, :length]), key
+            assert sb["master_tie"].shape == (rows, padded // 128)  # (rows, blocks per row)
             assert torch.equal(sb["master_tie"].reshape(-1), expected["master_tie"])
             ties += int((expected["master_tie"] > 0).sum())
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in ("exp_avg", "exp_avg_sq"):  # element by element (positions: the flat parameter's)
             x = s32[name].reshape(-1).clone()
             stored = {name: torch.empty(n, dtype=torch.bfloat16)}
             E._encode_moment_(torch.bfloat16, name, x, stored, E._random_bits(torch.arange(n), torch.tensor(1)))
             assert torch.equal(sb[name].reshape(-1), stored[name]), name
-    assert split == 3
+    assert split == 5
     assert ties > 0 or dtype == torch.float16  # the bf16 run met exact ties (equal weights)

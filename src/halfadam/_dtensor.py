@@ -54,7 +54,7 @@ def flat_offset(t: Any) -> int:
 
 def row_sharded(t: Any) -> bool:
     """Whether ``t`` is a plain tensor or a ``DTensor`` whose local shard is a run of whole rows: the
-    layouts per-block state follows (:func:`halfadam.encodings.rows_fit_blocks`)."""
+    layouts per-block state follows (:func:`halfadam.encodings.has_rows`)."""
     return not is_dtensor(t) or _first_row(t) is not None
 
 

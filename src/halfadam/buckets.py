@@ -34,8 +34,8 @@ def bucket_key(param: Tensor, use_master: bool, fmt: StateFormat = StateFormat()
     """The bucket a parameter belongs to, or ``None`` if it keeps separately allocated state.
 
     Parameters of one bucket share a device, a dtype, a master setting and the format that applies
-    to them (:func:`halfadam.encodings.for_param`: a parameter whose rows are not whole blocks
-    keeps float32 fields where ``fmt`` has per-block ones). DTensor parameters (FSDP2) keep
+    to them (:func:`halfadam.encodings.for_param`: a 1-D parameter keeps float32 fields where ``fmt``
+    has per-block ones). DTensor parameters (FSDP2) keep
     per-parameter DTensor state, sharded like the parameter, so that ``torch.distributed.checkpoint``
     saves it sharded; their update runs on local shards.
     """
@@ -51,11 +51,17 @@ class Bucket:
 
     Attributes:
         params: the parameters, in layout order.
-        numels, offsets: element counts and start offsets of each parameter in the flat buffers; with
-            a blocked format (:attr:`halfadam.encodings.StateFormat.blocked`) each parameter starts at
-            a multiple of ``BLOCK`` and ``sizes`` (its numel rounded up) leaves zero padding after it.
+        numels, offsets: element counts and start offsets of each parameter in the flat per-element
+            buffers; with a blocked format (:attr:`halfadam.encodings.StateFormat.blocked`) each
+            parameter starts at a multiple of ``BLOCK`` and ``sizes`` (its numel rounded up) leaves zero
+            padding after it.
+        row_lengths: the elements of each parameter's rows of blocks (:func:`halfadam.encodings.row_length`
+            where the format has per-block keys; else its numel: blocks over the flat parameter). A row
+            is cut into blocks of ``BLOCK``, its last one shorter where the length is no multiple of it.
+        block_counts, block_offsets: each parameter's blocks and its first block's index in the flat
+            per-block buffers.
         flat: the state's flat buffers by key (:func:`halfadam.encodings.element_keys`, ``numel``
-            long; :func:`~halfadam.encodings.block_keys`, ``numel / BLOCK`` long). Without a master
+            long; :func:`~halfadam.encodings.block_keys`, one entry per block). Without a master
             (float32 parameters) the parameter itself is the weight.
         steps: float32 tensor of ``len(params)`` step counts; ``state[p]["step"]`` is a 0-d view.
         out: flat buffer of the parameters' dtype the kernel writes the new values of small
@@ -80,12 +86,17 @@ class Bucket:
             self.offsets.append(total)
             total += n
         self.numel = total
+        block_keys = encodings.block_keys(self.format, self.has_master)
+        self.row_lengths = [encodings.row_length(tuple(s)) if block_keys else n for s, n in zip(self.shapes, self.numels)]
+        self.block_counts = [n // length * encodings.n_blocks(length) if length else 0
+                             for n, length in zip(self.numels, self.row_lengths)]
+        self.block_offsets = [sum(self.block_counts[:i]) for i in range(len(params))]
         on = dict(device=self.device)
         self.flat: Dict[str, Tensor] = {
             key: torch.zeros(total, dtype=dt, **on) for key, dt in encodings.element_keys(self.format, self.has_master).items()}
-        self.flat.update({key: torch.zeros(total // BLOCK, dtype=dt, **on)
-                          for key, dt in encodings.block_keys(self.format, self.has_master).items()})
-        # each block's index within its parameter: the stochastic rounding's positions (encodings.positions)
+        self.flat.update({key: torch.zeros(sum(self.block_counts), dtype=dt, **on) for key, dt in block_keys.items()})
+        # each block's index within its parameter: the stochastic rounding's positions (encodings.positions),
+        # for the parameters whose blocks are whole (the others step in their padded layout: has_tails)
         self.block_index: Optional[Tensor] = None
         if self.format.stochastic:
             self.block_index = torch.cat([torch.arange(n // BLOCK, dtype=torch.int32) for n in self.sizes]).to(**on)
@@ -137,8 +148,18 @@ class Bucket:
 
     def block_view(self, flat: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s view of a flat per-block buffer, of :func:`halfadam.encodings.block_shape`."""
-        return flat[self.offsets[i] // BLOCK:(self.offsets[i] + self.sizes[i]) // BLOCK].view(
+        return flat[self.block_offsets[i]:self.block_offsets[i] + self.block_counts[i]].view(
             encodings.block_shape(tuple(self.shapes[i])))
+
+    def has_tails(self, i: int) -> bool:
+        """Whether parameter ``i``'s rows end in short blocks (its flat state is then not whole blocks)."""
+        return self.row_lengths[i] % BLOCK != 0 and self.row_lengths[i] != self.numels[i]
+
+    def state_views(self, i: int) -> Dict[str, Tensor]:
+        """Parameter ``i``'s views of every flat buffer, by key (its shapes: the parameter's, or
+        :func:`halfadam.encodings.block_shape`)."""
+        return {key: self.block_view(flat, i) if encodings.is_block_key(key) else self.view(flat, i)
+                for key, flat in self.flat.items()}
 
     def views(self, flat: Tensor) -> List[Tensor]:
         """Every parameter's view of ``flat`` (one of this bucket's per-element buffers; cached)."""
@@ -147,10 +168,12 @@ class Bucket:
             cached = self._views[id(flat)] = [self.view(flat, i) for i in range(len(self.params))]
         return cached
 
-    def segment(self, a: int, b: int) -> Dict[str, Tensor]:
-        """The flat buffers' slices for elements ``a:b`` (multiples of BLOCK when blocked), with the
+    def segment(self, i: int, j: int) -> Dict[str, Tensor]:
+        """The flat buffers' slices for parameters ``i:j`` (none of them :meth:`has_tails`), with the
         blocks' indices in their parameters (``encodings.BLOCK_INDEX``) when the format draws random bits."""
-        stored = encodings.slice_flat(self.flat, a, b)
+        a, b = self.offsets[i], self.offsets[j - 1] + self.sizes[j - 1]
+        c, d = self.block_offsets[i], self.block_offsets[j - 1] + self.block_counts[j - 1]
+        stored = {k: t[c:d] if encodings.is_block_key(k) else t[a:b] for k, t in self.flat.items()}
         if self.block_index is not None:
             stored[encodings.BLOCK_INDEX] = self.block_index[a // BLOCK:b // BLOCK]
         return stored
@@ -168,8 +191,7 @@ class Bucket:
         else:
             self.steps[i].zero_()
         state["step"] = self.steps[i]
-        for key, flat in self.flat.items():
-            v = self.block_view(flat, i) if encodings.is_block_key(key) else self.view(flat, i)
+        for key, v in self.state_views(i).items():
             if key in state:
                 v.copy_(state[key])
             elif key == "master_weight":

@@ -98,13 +98,16 @@ no finite value takes (``exp_avg``: magnitude 126 is nan, 127 an infinity of the
 ``exp_avg_sq``: 254 is +inf, 255 nan), and the block's scale is taken over its finite values, so
 the rest of the block keeps its codes.
 
-Layout: per-element keys have the parameter's shape. Blocks are 128 consecutive elements of the
-flattened parameter and never straddle a row (an index of dim 0): the per-block encodings apply only
-to parameters whose rows hold whole blocks (:func:`rows_fit_blocks`; others store those fields in
-float32, :func:`for_param`), and per-block keys (``*_scale``, ``master_tie``) have the shape
-``(rows, blocks per row)`` (:func:`block_shape`), so FSDP2 shards them with the parameter's rows and a
-shard's state is exactly the unsharded state's rows, on any number of ranks; no padding anywhere.
-In flat buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
+Layout: per-element keys have the parameter's shape. Blocks lie within rows (indices of dim 0):
+each row of a parameter with rows (:func:`has_rows`: at least 2 dims) is cut into blocks of 128
+consecutive elements, the last one shorter where the row's length is not a multiple of 128 (a conv
+weight's rows of 576 elements: 4 blocks of 128 and one of 64; a depthwise conv's rows of 9: one
+block each). Per-block keys (``*_scale``, ``master_tie``) have the shape ``(rows, blocks per row)``
+(:func:`block_shape`), so FSDP2 shards them with the parameter's rows and a shard's state is exactly
+the unsharded state's rows, on any number of ranks; no padding is stored. A 1-D parameter (a bias, a
+norm's weight) has no rows and stores those fields in float32 (:func:`for_param`). The per-parameter
+paths step a parameter with each row padded with zeros to whole blocks (:func:`_layout`); in flat
+buckets each parameter starts at a multiple of 128 (:mod:`halfadam.buckets`).
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ from ._dtensor import like_param, like_rows, zeros_like_rows
 from .functional import adam_elementwise_, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
-           "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "for_param",
-           "rows_fit_blocks", "block_shape",
+           "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "state_nbytes", "for_param",
+           "has_rows", "row_length", "block_shape",
            "format_of", "convert_state"]
 
 #: Elements per quantization block (per-block keys have one entry per block).
@@ -209,22 +212,28 @@ def state_format(state_mode: str = "fp32", *, store_param_remainders: Optional[b
     return StateFormat(master, *dtypes)
 
 
-def rows_fit_blocks(shape: Tuple[int, ...]) -> bool:
-    """Whether a parameter of ``shape`` can keep per-block state: it has a dim 0 (the dim FSDP2
-    shards) and every index of it, a *row*, holds a whole number of blocks (the product of the other
-    dims a positive multiple of BLOCK). Blocks then never straddle a row, so no shard of whole rows, on
-    any number of ranks, cuts one: the encoded state does not depend on the sharding. (A shard of
-    whole rows, even an empty one, gets the answer of its whole parameter.)"""
-    row = math.prod(shape[1:])
-    return len(shape) >= 2 and row > 0 and row % BLOCK == 0
+def has_rows(shape: Tuple[int, ...]) -> bool:
+    """Whether a parameter of ``shape`` keeps per-block state: it has a dim 0 (the dim FSDP2 shards)
+    and its *rows* (the indices of dim 0) are not empty. Each row is cut into blocks of BLOCK elements,
+    the last one shorter where the row's length (the product of the other dims) is not a multiple of
+    BLOCK (:func:`block_shape`). Blocks then never straddle a row, so no shard of whole rows, on any
+    number of ranks, cuts one: the encoded state does not depend on the sharding. (A shard of whole
+    rows, even an empty one, gets the answer of its whole parameter.)"""
+    return len(shape) >= 2 and math.prod(shape[1:]) > 0
+
+
+def row_length(shape: Tuple[int, ...]) -> int:
+    """The elements of one row of the per-block layout: the product of the dims after dim 0 where
+    :func:`has_rows`, else the parameter's element count (one row: blocks over the flat parameter)."""
+    return math.prod(shape[1:]) if has_rows(shape) else math.prod(shape)
 
 
 def block_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The shape of the per-block keys of a parameter of ``shape``: ``(rows, blocks per row)`` where
-    :func:`rows_fit_blocks` (sharded with the parameter's rows), else ``(ceil(numel / BLOCK),)``
-    (the layout of checkpoints written before 2026-12-01, read for conversion)."""
-    if rows_fit_blocks(shape):
-        return (shape[0], math.prod(shape[1:]) // BLOCK)
+    """The shape of the per-block keys of a parameter of ``shape``: ``(rows, ceil(row_length / BLOCK))``
+    where :func:`has_rows` (sharded with the parameter's rows), else ``(ceil(numel / BLOCK),)`` (the
+    layout of checkpoints written before 2026-12-01, read for conversion)."""
+    if has_rows(shape):
+        return (shape[0], n_blocks(row_length(shape)))
     return (n_blocks(math.prod(shape)),)
 
 
@@ -232,16 +241,15 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     """The format that applies to ``param``: float64 keeps float32 -> float64 state (fp32 format);
     no master for float32 parameters or with master weights off (``master`` then means nothing).
 
-    The per-block encodings (a split master, uint8 moments) need rows of whole blocks
-    (:func:`rows_fit_blocks`); a parameter without them (1-D: biases, norm weights; rows of 64 or 200
-    elements) stores those fields in float32 (an fp32 master, float32 moments), as bitsandbytes keeps
-    32-bit state for small tensors. So a parameter's format depends on its shape, never on how it is
-    sharded."""
+    The per-block encodings (a split master, uint8 moments) apply to parameters with rows
+    (:func:`has_rows`); a 1-D one (a bias, a norm's weight) stores those fields in float32 (an fp32
+    master, float32 moments), as bitsandbytes keeps 32-bit state for small tensors. So a parameter's
+    format depends on its shape, never on how it is sharded."""
     if param.dtype == torch.float64:
         return StateFormat()
     master = fmt.master if use_master and param.dtype in _HALF else "fp32"
     exp_avg, exp_avg_sq = fmt.exp_avg, fmt.exp_avg_sq
-    if not rows_fit_blocks(tuple(param.shape)):
+    if not has_rows(tuple(param.shape)):
         master = "fp32"
         exp_avg, exp_avg_sq = (torch.float32 if dt == torch.uint8 else dt for dt in (exp_avg, exp_avg_sq))
     return StateFormat(master, exp_avg, exp_avg_sq, fmt.legacy)
@@ -278,11 +286,22 @@ def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     return keys
 
 
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def bytes_per_element(fmt: StateFormat, has_master: bool = True) -> float:
-    """State bytes per parameter element (per-block keys spread over their BLOCK elements)."""
-    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    return (sum(size(dt) for dt in element_keys(fmt, has_master).values())
-            + sum(size(dt) for dt in block_keys(fmt, has_master).values()) / BLOCK)
+    """State bytes per parameter element of rows of whole blocks (per-block keys spread over their
+    BLOCK elements)."""
+    return (sum(_size(dt) for dt in element_keys(fmt, has_master).values())
+            + sum(_size(dt) for dt in block_keys(fmt, has_master).values()) / BLOCK)
+
+
+def state_nbytes(fmt: StateFormat, shape: Tuple[int, ...], has_master: bool = True) -> int:
+    """The bytes of a parameter's state tensors in ``fmt`` (the ``step`` count aside): per element, and
+    per block of :func:`block_shape` (a row's short last block counts as one)."""
+    return (math.prod(shape) * sum(_size(dt) for dt in element_keys(fmt, has_master).values())
+            + math.prod(block_shape(shape)) * sum(_size(dt) for dt in block_keys(fmt, has_master).values()))
 
 
 def n_blocks(numel: int) -> int:
@@ -616,28 +635,67 @@ def slice_flat(stored: Dict[str, Tensor], a: int, b: int) -> Dict[str, Tensor]:
     return {k: t[a // BLOCK:b // BLOCK] if is_block_key(k) else t[a:b] for k, t in stored.items()}
 
 
-def _pad(t: Tensor, length: int, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``t`` flattened into a new tensor of ``length`` elements on ``like``'s device, zero-padded."""
-    flat = t.detach().reshape(-1).to(device=like.device, dtype=dtype or t.dtype)
-    return torch.cat([flat, flat.new_zeros(length - flat.numel())]) if flat.numel() < length else flat.clone()
+#: The layout the per-parameter paths step in: ``(rows, row length, padded row length)``, each row of
+#: the per-block layout (:func:`row_length`) padded with zeros to whole blocks, so that every BLOCK
+#: consecutive elements of the flat copy are one block (a row's short last block padded with zeros,
+#: which change no block's scale and whose codes are dropped).
+Layout = Tuple[int, int, int]
 
 
-def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]) -> Tuple[Dict[str, Tensor], Tensor]:
-    """Flat, block-padded (with zeros) copies of ``state``'s tensors and of the parameter's values."""
-    length = n_blocks(param.numel()) * BLOCK
+def _layout(shape: Tuple[int, ...], state: Optional[Dict[str, Tensor]] = None) -> Layout:
+    """The padded layout of a parameter of ``shape``; one row (blocks over the flat parameter) where
+    ``state``'s per-block keys are 1-D (as written before 2026-12-01)."""
+    n = math.prod(shape)
+    flat = state is not None and any(state[k].dim() == 1 for k in (*BLOCK_KEYS, *LEGACY_BLOCK_KEYS) if k in state)
+    rows, length = (shape[0], row_length(shape)) if has_rows(shape) and not flat else (1, n)
+    return rows, length, n_blocks(length) * BLOCK
+
+
+def _pad(t: Tensor, layout: Layout, like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``t`` (a tensor of the parameter's elements) as a new flat tensor in ``layout`` on ``like``'s
+    device, zero-padded."""
+    rows, length, padded = layout
+    src = t.detach().reshape(rows, length).to(device=like.device, dtype=dtype or t.dtype)
+    if padded == length:
+        return src.reshape(-1).clone()
+    out = src.new_zeros(rows, padded)
+    out[:, :length] = src
+    return out.view(-1)
+
+
+def _unpad(flat: Tensor, layout: Layout) -> Tensor:
+    """The parameter's elements of ``flat`` (in ``layout``), as ``(rows, row length)``."""
+    rows, length, padded = layout
+    return flat.view(rows, padded)[:, :length]
+
+
+def _positions(layout: Layout, offset: int, device: torch.device) -> Tensor:
+    """Each element's position in its whole parameter (int64, flat in ``layout``): ``offset`` (the
+    first element's, a shard's) plus its row times the row's length plus its column (padding
+    included: its bits are never used)."""
+    rows, length, padded = layout
+    row = torch.arange(rows, dtype=torch.int64, device=device).view(-1, 1) * length
+    return (row + torch.arange(padded, dtype=torch.int64, device=device) + offset).view(-1)
+
+
+def _flat_copies(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor]
+                 ) -> Tuple[Dict[str, Tensor], Tensor, Layout]:
+    """Flat copies of ``state``'s tensors and of the parameter's values in the padded layout, and the layout."""
+    layout = _layout(tuple(param.shape), state)
     with_master = has_master(state)
-    stored = {k: _pad(state[k], length, param) for k in element_keys(fmt, with_master)}
+    stored = {k: _pad(state[k], layout, param) for k in element_keys(fmt, with_master)}
     stored.update({k: state[k].reshape(-1).clone() for k in block_keys(fmt, with_master)})
-    return stored, _pad(param, length, param)
+    return stored, _pad(param, layout, param), layout
 
 
 def _write_back(state: Dict[str, Tensor], stored: Dict[str, Tensor], param: Optional[Tensor],
-                flat_param: Tensor) -> None:
+                flat_param: Tensor, layout: Layout) -> None:
     for key, t in stored.items():
         if key in state:
-            state[key].copy_(t[:state[key].numel()].view(state[key].shape))
+            src = t if is_block_key(key) else _unpad(t, layout)
+            state[key].copy_(src.reshape(state[key].shape))
     if param is not None:
-        param.detach().copy_(flat_param[:param.numel()].view(param.shape))
+        param.detach().copy_(_unpad(flat_param, layout).reshape(param.shape))
 
 
 def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tensor) -> None:
@@ -655,19 +713,19 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
                   coefficients: tuple, step: int, *, decay: str, optimized_update: bool, offset: int = 0) -> None:
     """:func:`encoded_update_` for one parameter and its own (not flat) state tensors; ``offset``: the
     position of its first element in the whole parameter (a shard's, :func:`halfadam._dtensor.flat_offset`)."""
-    stored, flat_param = _flat_copies(fmt, param, state)
+    stored, flat_param, layout = _flat_copies(fmt, param, state)
     if fmt.stochastic:
-        stored[POSITION] = torch.arange(offset, offset + flat_param.numel(), dtype=torch.int64, device=param.device)
+        stored[POSITION] = _positions(layout, offset, param.device)
     with_master = has_master(state)
     if not with_master:
         stored["weight"] = flat_param.to(torch.float32)
-    g = _pad(grad, flat_param.numel(), param, torch.float32)
+    g = _pad(grad, layout, param, torch.float32)
     encoded_update_(stored, flat_param if with_master else None, g, coefficients, random_seed(fmt, step, param.device),
                     master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
                     decay=decay, optimized_update=optimized_update)
     if not with_master:
         flat_param.copy_(stored.pop("weight"))
-    _write_back(state, stored, param, flat_param)
+    _write_back(state, stored, param, flat_param, layout)
 
 
 def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
@@ -675,7 +733,7 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
     """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` (those of ``names``) as
     new float32 tensors of the parameter's shape (a split master synced with ``param``, see
     :func:`_split_decode`)."""
-    stored, flat_param = _flat_copies(fmt, param, state)
+    stored, flat_param, layout = _flat_copies(fmt, param, state)
     out = {}
     if "master_weight" in names:
         if "master_weight" in stored:
@@ -686,8 +744,7 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if name in names:
             out[name] = _decode_moment(dtype, name, stored, fmt.legacy)
-    n = param.numel()
-    return {k: v[:n].reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
+    return {k: _unpad(v, layout).reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
 
 def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], values: Dict[str, Tensor],
@@ -697,18 +754,17 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
     the master where the parameter equals its rounding and takes the parameter's value elsewhere
     (the master-sync rule), so the parameter is never changed. ``offset``: the position of the first
     element in the whole parameter (a shard's, as in :func:`update_param_`)."""
-    stored, flat_param = _flat_copies(fmt, param, state)
-    length = flat_param.numel()
+    stored, flat_param, layout = _flat_copies(fmt, param, state)
     if fmt.stochastic:
-        stored[POSITION] = torch.arange(offset, offset + length, dtype=torch.int64, device=param.device)
+        stored[POSITION] = _positions(layout, offset, param.device)
     seed = random_seed(fmt, step, param.device)
     bits = None if seed is None else _random_bits(stored[POSITION], seed)
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
-        x = _pad(values[name], length, param, torch.float32)
+        x = _pad(values[name], layout, param, torch.float32)
         stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, bits)
     if has_master(stored):
-        _encode_master_(stored, flat_param, _pad(values["master_weight"], length, param, torch.float32))
-    _write_back(state, stored, None, flat_param)
+        _encode_master_(stored, flat_param, _pad(values["master_weight"], layout, param, torch.float32))
+    _write_back(state, stored, None, flat_param, layout)
 
 
 def format_of(state: Dict[str, Tensor]) -> StateFormat:
@@ -763,6 +819,6 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
     ``round(master)`` already (elements where it does not keep the parameter's value, as in
     :func:`encode_state_`). A state without a master is left alone."""
     if has_master(state):
-        stored, flat_param = _flat_copies(format_of(state), param, state)
-        _encode_master_(stored, flat_param, _pad(master, flat_param.numel(), param, torch.float32))
-        _write_back(state, stored, None, flat_param)
+        stored, flat_param, layout = _flat_copies(format_of(state), param, state)
+        _encode_master_(stored, flat_param, _pad(master, layout, param, torch.float32))
+        _write_back(state, stored, None, flat_param, layout)

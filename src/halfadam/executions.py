@@ -296,10 +296,15 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     rest = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=hp.decay,
                 optimized_update=hp.optimized_update)
     grads = dict(items)
-    for i, j, direct in _segments(bucket, items):
+    for i, j, kind in _segments(bucket, items):
+        if kind == "tails":  # rows ending in short blocks: stepped in its padded layout, eagerly
+            grad = grads[i] if grad_scale is None else grads[i].to(torch.float32) * grad_scale
+            update_param_(fmt, bucket.params[i], bucket.state_views(i), grad, hp.coefficients(int(step)), int(step),
+                          decay=hp.decay, optimized_update=hp.optimized_update)
+            continue
         a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.sizes[j - 1]
-        stored = bucket.segment(a, b)
-        if direct:  # one large parameter: read its gradient and write it in place, no copies
+        stored = bucket.segment(i, j)
+        if kind == "direct":  # one large parameter: read its gradient and write it in place, no copies
             param, grad = bucket.params[i].detach().view(-1), grads[i].view(-1)
             if not bucket.has_master:
                 stored["weight"], param = param, None
@@ -399,8 +404,8 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         if kernel is not None:
             if step not in coefficients:
                 coefficients[step] = hp.coefficients(step)
-            _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [offsets[k] if offsets else 0],
-                      pfmt, hp, coefficients[step], grad_scale, step)
+            _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [0], [_row_length(p, pfmt)],
+                      [offsets[k] if offsets else 0], pfmt, hp, coefficients[step], grad_scale, step)
             st["step"] += 1
         elif fits and implementation in ("auto", "triton") \
                 and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}"):
@@ -412,10 +417,11 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
         gdtype = _launch_grad_dtype(grads, dtype)
         grads = [g.to(gdtype).contiguous() for g in grads]
-        numels = [p.numel() for p in params]
-        table = triton_kernel.tensor_table(params, grads, numels, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
-                                           device, states=[state[pairs[k][0]] for k in ks])
-        triton_kernel.launch(triton_kernel.work_list(numels, device), table,
+        rows = [_row_length(p, pfmt) for p in params]
+        sizes = [_work_size(p.numel(), r, pfmt) for p, r in zip(params, rows)]
+        table = triton_kernel.tensor_table(params, grads, sizes, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
+                                           device, rows, [0] * len(ks), states=[state[pairs[k][0]] for k in ks])
+        triton_kernel.launch(triton_kernel.work_list(sizes, device), table,
                              triton_kernel.scalars(hp.coefficients(step), step, device), {},
                              param_dtype=dtype, grad_dtype=gdtype,
                              master=_master_kind(pfmt, with_master), exp_avg=pfmt.exp_avg,
@@ -425,6 +431,20 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         for k in ks:
             state[pairs[k][0]]["step"] += 1
     return left
+
+
+def _row_length(p: Tensor, fmt: StateFormat) -> int:
+    """The elements per row of blocks of a parameter (shard) ``p`` in ``fmt``: its rows' where ``fmt`` has
+    per-block keys (:func:`halfadam.encodings.row_length`), else its numel (blocks over the flat tensor)."""
+    return encodings.row_length(tuple(p.shape)) if encodings.block_keys(fmt, True) else p.numel()
+
+
+def _work_size(numel: int, row_length: int, fmt: StateFormat) -> int:
+    """The elements a kernel steps for a tensor of ``numel`` elements in rows of ``row_length``: its blocks
+    times BLOCK in a blocked format (each row padded to whole blocks), else ``numel``."""
+    if not fmt.blocked:
+        return numel
+    return numel // row_length * encodings.n_blocks(row_length) * encodings.BLOCK if row_length else 0
 
 
 def _launch_grad_dtype(grads: List[Tensor], param_dtype: torch.dtype) -> torch.dtype:
@@ -475,12 +495,13 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
         if not g.is_contiguous() or g.dtype != gdtype:
             grads[k] = bucket.views(bucket.grad_buffer(torch.float32))[i].copy_(g) if gdtype == torch.float32 \
                 else g.contiguous()
-    work = _cached(bucket, "work", tuple(index),
-                   lambda key: triton_kernel.work_list([bucket.sizes[i] for i in key], device))
+    sizes = [_work_size(bucket.numels[i], bucket.row_lengths[i], bucket.format) for i in index]
+    work = _cached(bucket, "work", tuple(index), lambda key: triton_kernel.work_list(sizes, device))
     table = _cached(bucket, "table", tuple(p.data_ptr() for p in params) + tuple(g.data_ptr() for g in grads),
-                    lambda key: triton_kernel.tensor_table(params, grads, [bucket.sizes[i] for i in index],
-                                                           [bucket.offsets[i] for i in index], [0] * len(index),
-                                                           device))
+                    lambda key: triton_kernel.tensor_table(params, grads, sizes, [bucket.offsets[i] for i in index],
+                                                           [0] * len(index), device,
+                                                           [bucket.row_lengths[i] for i in index],
+                                                           [bucket.block_offsets[i] for i in index]))
     fmt = bucket.format
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
@@ -519,24 +540,26 @@ def _cpp_step(kernel, bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyper
               grad_scale: Optional[Tensor], step: int) -> None:
     """One C++ kernel call for the parameters of ``items``: gradients read and parameters written in place."""
     if len(items) == len(bucket.params):
-        params, offsets = bucket.params, bucket.offsets
+        params, layout = bucket.params, (bucket.offsets, bucket.block_offsets, bucket.row_lengths)
     else:
         params = [bucket.params[i] for i, _ in items]
-        offsets = [bucket.offsets[i] for i, _ in items]
-    _cpp_call(kernel, params, [g for _, g in items], bucket.flat, offsets, [], bucket.format, hp,
+        layout = tuple([column[i] for i, _ in items]
+                       for column in (bucket.offsets, bucket.block_offsets, bucket.row_lengths))
+    _cpp_call(kernel, params, [g for _, g in items], bucket.flat, *layout, [], bucket.format, hp,
               hp.coefficients(step), grad_scale, step)
 
 
 def _cpp_call(kernel, params: List[Tensor], grads: List[Tensor], flat: Dict[str, Tensor], offsets: List[int],
-              positions: List[int], fmt: StateFormat, hp: Hyperparameters, coefficients: tuple,
-              grad_scale: Optional[Tensor], step: int) -> None:
+              block_offsets: List[int], row_lengths: List[int], positions: List[int], fmt: StateFormat,
+              hp: Hyperparameters, coefficients: tuple, grad_scale: Optional[Tensor], step: int) -> None:
     """The C++ kernel's ``adam_step`` over ``params`` whose state lies in the 1-D buffers ``flat`` at
-    ``offsets`` (``positions``: their first elements' positions in their whole parameters, empty for
-    0)."""
+    ``offsets`` (per element) and ``block_offsets`` (per block), in rows of ``row_lengths`` elements
+    (:attr:`halfadam.buckets.Bucket.row_lengths`); ``positions``: their first elements' positions in
+    their whole parameters, empty for 0."""
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
-    kernel.adam_step(params, grads, flat, offsets, coefficients, grad_scale, hp.decay == "l2", hp.optimized_update,
-                     step, positions)
+    kernel.adam_step(params, grads, flat, offsets, block_offsets, row_lengths, coefficients, grad_scale,
+                     hp.decay == "l2", hp.optimized_update, step, positions)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own
@@ -545,23 +568,26 @@ DIRECT_MIN_NUMEL = 1 << 16
 
 
 def _segments(bucket: Bucket, items: List[Tuple[int, Tensor]]):
-    """Split ``items`` into ``(i, j, direct)`` runs of consecutive parameters ``i:j`` (direct: one large one)."""
+    """Split ``items`` into ``(i, j, kind)`` runs of consecutive parameters ``i:j``: ``"packed"``, or one
+    parameter, ``"direct"`` (a large one) or ``"tails"`` (:meth:`halfadam.buckets.Bucket.has_tails`)."""
     segments, start, end = [], None, None
     for k, g in items:
         if start is not None and k != end:  # a gap (a parameter without a gradient) ends the run
-            segments.append((start, end, False))
+            segments.append((start, end, "packed"))
             start = None
         p = bucket.params[k]
-        if (bucket.numels[k] >= DIRECT_MIN_NUMEL and bucket.numels[k] == bucket.sizes[k] and p.is_contiguous()
-                and g.is_contiguous()):
+        kind = "tails" if bucket.has_tails(k) else "direct" if (
+            bucket.numels[k] >= DIRECT_MIN_NUMEL and bucket.numels[k] == bucket.sizes[k] and p.is_contiguous()
+            and g.is_contiguous()) else None
+        if kind is not None:
             if start is not None:
-                segments.append((start, k, False))
-            segments.append((k, k + 1, True))
+                segments.append((start, k, "packed"))
+            segments.append((k, k + 1, kind))
             start = None
             continue
         if start is None:
             start = k
         end = k + 1
     if start is not None:
-        segments.append((start, end, False))
+        segments.append((start, end, "packed"))
     return segments

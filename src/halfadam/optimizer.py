@@ -292,7 +292,7 @@ class _AdamBase(torch.optim.Optimizer):
                 old = {k: local(v).to(p.device) for k, v in state.items() if k != "step"}
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
-                # an fp32 master (rows that are not whole blocks) never depended on the old value
+                # an fp32 master (a 1-D parameter) never depended on the old value
                 kept = (_converted_exactly(old_dtype, p) if "master_lo" in state
                         else torch.ones_like(p, dtype=torch.bool))
                 unwritten = kept & (p == master.to(old_dtype).to(p.dtype))

@@ -468,13 +468,14 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         for name in list(expected) + list(blocks):
             t = saved[name]
             shape = tuple(p.shape) if name in expected else encodings.block_shape(tuple(p.shape))
-            if name in blocks and tuple(t.shape) == (encodings.n_blocks(p.numel()),):
-                t = t.reshape(shape)  # 1-D, as written before 2026-12-01: the same blocks
-            if tuple(t.shape) != shape:
+            flat = (encodings.n_blocks(p.numel()),)  # 1-D blocks over the flat parameter, as written before 2026-12-01
+            if name in blocks and tuple(t.shape) == flat and math.prod(flat) == math.prod(shape):
+                t = t.reshape(shape)  # the same blocks (rows of whole blocks): reshaped
+            if tuple(t.shape) != shape and not (name in blocks and tuple(t.shape) == flat):
                 raise CheckpointError(
                     f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
                     + (" (the parameter's)" if name in expected
-                       else f" (one per {encodings.BLOCK} elements of each row)")
+                       else f" (one per {encodings.BLOCK} elements of each row, the last one per row shorter)")
                 )
             if t.is_meta:
                 raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
@@ -546,12 +547,13 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
             optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
         state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
         target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
-        if p.dtype == torch.float64 or (load.format == target and not load.rebuild_master):
+        same = load.format == target and all(v.shape == state[k].shape for k, v in load.values.items())
+        if p.dtype == torch.float64 or (same and not load.rebuild_master):
             for name, value in load.values.items():  # the same encoding: bit for bit
                 state[name].copy_(value)
             if load.rebuild_master:
                 state["master_weight"].copy_(p.detach())
-        else:  # another encoding, or no master in the checkpoint: decode, then encode in this one
+        else:  # another encoding or block layout, or no master in the checkpoint: decode, then encode in this one
             # (a DTensor's local shard: DCP loads the checkpoint's state sharded like the parameter)
             lp = local(p)
             values = encodings.decode_state(load.format, lp, {k: local(v).to(lp.device) for k, v in load.values.items()})

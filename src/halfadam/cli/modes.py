@@ -83,7 +83,7 @@ _MODE_LIST = [
         "halfadam",
         None,
         "halfadam.AdamW(state_mode='compact') on bfloat16 parameters: split master weights (bf16 + 16 bits) and "
-        "8-bit block-wise moments, 4.02 bytes of state per parameter whose rows are whole blocks of 128",
+        "8-bit block-wise moments, about 4.02 bytes of state per parameter of a weight matrix or conv kernel",
         state_mode="compact",
     ),
 ]

@@ -18,7 +18,7 @@
 //
 // State encodings (halfadam.encodings is their specification; the functions named there are mirrored
 // here bit for bit): the master is fp32 ("master_weight") or split ("master_hi" int8, "master_lo"
-// uint8, "master_tie" uint8 per 128-element block: encodings._split_decode / _split_encode_); each
+// uint8, "master_tie" uint8 per block: encodings._split_decode / _split_encode_); each
 // moment is float32, bfloat16 (decoded exactly, encoded by stochastic rounding) or uint8: a small
 // float per element, in tiers of mantissa bits by binade, over one uint8 base exponent per block
 // ("exp_avg_scale", "exp_avg_sq_scale": encodings._TIERS, _block_base, _encode_magnitude,
@@ -29,7 +29,15 @@
 // exp_avg_sq its lower 16 (encodings._moment_bits), for bfloat16 and uint8 moments alike.
 // Gradients are float32 or the parameter's dtype (adam_step converts any other floating dtype).
 //
-// Work is split over torch's intra-op threads (at::parallel_for) by 128-element blocks across the list.
+// Blocks (encodings.block_shape): each parameter is rows of row_length elements (the product of the
+// dims after dim 0 where the format has per-block state, else the whole parameter: one row), each row
+// cut into blocks of 128, its last one shorter where 128 does not divide the row; blocks never straddle
+// rows. Element i keeps its per-element state at offset + i and draws the random bits of position
+// position + i (its index in the flattened whole parameter); block j of a parameter keeps its per-block
+// state (scales, tie) at block_offset + j. The encodings of a short block are those of its row padded
+// with zeros to whole blocks (encodings._layout), which change no scale and no tie: the kernel steps
+// only its n < 128 elements.
+// Work is split over torch's intra-op threads (at::parallel_for) by blocks across the list.
 // Each element is read and written once, in one loop written once for a "lane" type (the Lanes*
 // structs below): 16 lanes with AVX-512 (F and BW; DQ, VBMI and BF16 where there: vfpclassps, one
 // byte permute for the remainder's bytes, vcvtneps2bf16), 8 with AVX2 (and F16C), one at a time for
@@ -888,8 +896,10 @@ struct Item {
   void* param;
   const void* grad;
   int64_t numel;
-  int64_t offset;    // into the flat state buffers (a multiple of BLOCK with a split master or a uint8 moment)
-  int64_t position;  // its first element's index in its whole parameter (a shard's; the random bits' positions)
+  int64_t offset;        // into the flat per-element buffers (a multiple of BLOCK: split master, uint8 moment)
+  int64_t block_offset;  // its first block's index in the flat per-block buffers (master_tie, *_scale)
+  int64_t row_length;    // elements per row of blocks (a divisor of numel; 0 only with numel 0)
+  int64_t position;      // its first element's index in its whole parameter (a shard's; the random bits' positions)
 };
 
 struct Step {
@@ -1043,18 +1053,29 @@ HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Bl
   }
 }
 
-// Elements a..b (a a multiple of BLOCK) of one parameter, W lanes at a time (L), the tail one at a time.
+// Blocks j0..j1 of one parameter, each W lanes at a time (L), its tail one at a time. Block j is the
+// column c = j % per_row of row r = j / per_row (per_row = ceil(row_length / BLOCK)): elements
+// r * row_length + c * BLOCK up to BLOCK of them, the row's end first. Where BLOCK divides row_length,
+// or the row is the whole parameter, that is j * BLOCK: one division per call, none per block or element.
 template <class L, typename P, typename G, Master MS, typename MA, typename MV>
-void run(const Step& step, const Item& item, int64_t a, int64_t b) {
+void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
   constexpr bool kM8 = is_u8<MA>, kV8 = is_u8<MV>;
   const Step s = step;  // local copies: the stores through byte pointers cannot change them
   const Item it = item;
   const Coefficients<L> cl(s.c);
   const Coefficients<Lanes1> c1(s.c);
   alignas(64) float m_buf[kM8 ? BLOCK : 1], v_buf[kV8 ? BLOCK : 1];
-  for (int64_t start = a; start < b; start += BLOCK) {
-    const int64_t end = std::min(start + BLOCK, b), n = end - start;
-    const int64_t block = (it.offset + start) / BLOCK;
+  const int64_t length = it.row_length, per_row = (length + BLOCK - 1) / BLOCK;
+  // block j's row's first element, and the block's first element's place in the row
+  int64_t row = j0 / per_row * length, column = j0 % per_row * BLOCK;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t start = row + column, end = std::min(start + BLOCK, row + length), n = end - start;
+    const int64_t block = it.block_offset + j;
+    column += BLOCK;
+    if (column >= length) {  // the row's last block: the next one starts a row
+      column = 0;
+      row += length;
+    }
     uint8_t* const m_codes = kM8 ? static_cast<uint8_t*>(s.exp_avg) + it.offset + start : nullptr;
     uint8_t* const v_codes = kV8 ? static_cast<uint8_t*>(s.exp_avg_sq) + it.offset + start : nullptr;
     if constexpr (kM8) decode_block<L, true>(m_codes, n, BlockCode::of(s.exp_avg_scale[block]), m_buf);
@@ -1085,8 +1106,8 @@ void run(const Step& step, const Item& item, int64_t a, int64_t b) {
       ve = {static_cast<uint32_t>(b1.v_max), static_cast<uint32_t>(b1.v_min)};
     }
     if constexpr (MS == Master::kSplit) s.master_tie[block] = static_cast<uint8_t>(first_tie + 1);  // 0: no tie
-    // past the parameter's end (a block it ends in): the padding's zeros, which change no maximum and
-    // whose codes (0) are not written
+    // the n elements of a short block (a row's last, or the parameter's): the padding's zeros change no
+    // maximum, and their codes (0) are not written
     if constexpr (kM8 || kV8)
       encode_block<L, kM8, kV8>(m_buf, v_buf, m_codes, v_codes, n, me, ve, s.exp_avg_scale + block,
                                 s.exp_avg_sq_scale + block, static_cast<uint32_t>(it.position + start), s.seed_term);
@@ -1158,17 +1179,22 @@ uint32_t seed_term(int64_t step) {
 
 }  // namespace
 
-// One step for params[k] (gradient grads[k], state at offsets[k] of the flat buffers in `state`, keyed
-// as halfadam.encodings names them), k = 0..K-1. `step` seeds the stochastic rounding; `positions`:
-// each parameter's first element's index in its whole parameter (empty: 0).
+// One step for params[k] (gradient grads[k]; state in the flat buffers of `state`, keyed as
+// halfadam.encodings names them: per element at offsets[k], per block at block_offsets[k]; in rows of
+// row_lengths[k] elements, halfadam.buckets.Bucket.row_lengths), k = 0..K-1. `step` seeds the stochastic
+// rounding; `positions`: each parameter's first element's index in its whole parameter (empty: 0).
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::map<std::string, at::Tensor>& state, const std::vector<int64_t>& offsets,
+               const std::vector<int64_t>& block_offsets, const std::vector<int64_t>& row_lengths,
                const std::vector<double>& coefficients, const c10::optional<at::Tensor>& grad_scale, bool l2,
                bool optimized_update, int64_t step, const std::vector<int64_t>& positions) {
   const int64_t K = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K &&
                   (positions.empty() || static_cast<int64_t>(positions.size()) == K),
               "adam_step: params, grads, offsets and positions differ in length");
+  TORCH_CHECK(static_cast<int64_t>(block_offsets.size()) == K && static_cast<int64_t>(row_lengths.size()) == K,
+              "adam_step: block_offsets (", block_offsets.size(), ") and row_lengths (", row_lengths.size(),
+              ") must have one entry per parameter (", K, ")");
   TORCH_CHECK(coefficients.size() == 8, "adam_step: expected 8 coefficients");
   auto get = [&](const char* key, at::ScalarType dtype) -> at::Tensor {  // undefined if absent
     auto found = state.find(key);
@@ -1192,19 +1218,25 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
   const bool m8 = adtype == at::kByte, v8 = vdtype == at::kByte;
   const at::Tensor m_scale = get("exp_avg_scale", at::kByte), v_scale = get("exp_avg_sq_scale", at::kByte);
-  TORCH_CHECK(m8 == m_scale.defined() && v8 == v_scale.defined() &&
-                  (!m8 || m_scale.numel() * BLOCK == total_state) && (!v8 || v_scale.numel() * BLOCK == total_state),
-              "adam_step: a uint8 moment needs its *_scale (uint8, one per block of ", BLOCK,
-              "), and only a uint8 one has it");
+  TORCH_CHECK(m8 == m_scale.defined() && v8 == v_scale.defined(),
+              "adam_step: a uint8 moment needs its *_scale (uint8, one per block), and only a uint8 one has it");
   const at::Tensor master = get("master_weight", at::kFloat);
   const at::Tensor hi = get("master_hi", at::kChar), lo = get("master_lo", at::kByte);
   const at::Tensor tie = get("master_tie", at::kByte);
   const Master ms = master.defined() ? Master::kFp32 : lo.defined() ? Master::kSplit : Master::kNone;
   if (ms == Master::kFp32) TORCH_CHECK(master.numel() == total_state, "adam_step: master_weight's length");
   if (ms == Master::kSplit)
-    TORCH_CHECK(hi.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state &&
-                    tie.numel() * BLOCK == total_state,
+    TORCH_CHECK(hi.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state,
                 "adam_step: a split master needs master_hi, master_lo (one per element) and master_tie (one per block)");
+  // the per-block buffers (one entry per block of every parameter, block_offsets into them): one length
+  const bool blocked = ms == Master::kSplit || m8 || v8;
+  int64_t total_blocks = -1;
+  for (const at::Tensor* t : {&tie, &m_scale, &v_scale}) {
+    if (!t->defined()) continue;
+    TORCH_CHECK(total_blocks < 0 || t->numel() == total_blocks,
+                "adam_step: master_tie, exp_avg_scale and exp_avg_sq_scale differ in length");
+    total_blocks = t->numel();
+  }
   for (const auto& kv : state)
     TORCH_CHECK(kv.first == "master_weight" || kv.first == "master_hi" || kv.first == "master_lo" ||
                     kv.first == "master_tie" || kv.first == "exp_avg" || kv.first == "exp_avg_sq" ||
@@ -1230,7 +1262,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   // Validate everything before writing anything; non-contiguous tensors go through contiguous copies.
   std::vector<Item> items(K);
   std::vector<RunFn> fns(K);
-  std::vector<int64_t> starts(K + 1, 0);  // in blocks of BLOCK elements
+  std::vector<int64_t> starts(K + 1, 0);  // in blocks: params[k]'s are starts[k] .. starts[k + 1]
   std::vector<at::Tensor> keep;                                // contiguous float32 copies of grads
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;   // (param, its contiguous copy)
   for (int64_t k = 0; k < K; ++k) {
@@ -1245,9 +1277,16 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     TORCH_CHECK(ms != Master::kSplit || p.scalar_type() != at::kFloat, "adam_step: params[", k,
                 "]: a split master needs a float16/bfloat16 parameter");
     TORCH_CHECK(g.numel() == n, "adam_step: grads[", k, "] has ", g.numel(), " elements, its parameter ", n);
-    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= total_state &&
-                    ((ms != Master::kSplit && !m8 && !v8) || offsets[k] % BLOCK == 0),
+    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= total_state && (!blocked || offsets[k] % BLOCK == 0),
                 "adam_step: offsets[", k, "] out of range or not block-aligned");
+    // rows of row_length elements, each cut into blocks of BLOCK (its last one shorter)
+    const int64_t length = row_lengths[k];
+    TORCH_CHECK(n == 0 ? length >= 0 : length > 0 && n % length == 0, "adam_step: row_lengths[", k, "] = ", length,
+                " does not divide params[", k, "]'s ", n, " elements into rows");
+    const int64_t blocks = n == 0 ? 0 : n / length * ((length + BLOCK - 1) / BLOCK);
+    TORCH_CHECK(!blocked || (block_offsets[k] >= 0 && block_offsets[k] + blocks <= total_blocks),
+                "adam_step: block_offsets[", k, "] = ", block_offsets[k], ": params[", k, "]'s ", blocks,
+                " blocks do not fit the per-block buffers (", total_blocks, " entries)");
     if (g.scalar_type() != at::kFloat && g.scalar_type() != p.scalar_type()) {  // float64, fp16 for bf16...
       g = g.to(at::kFloat).contiguous();
       keep.push_back(g);
@@ -1260,9 +1299,10 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       write_back.emplace_back(p, c);
       p = c;
     }
-    items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k], positions.empty() ? 0 : positions[k]};
+    items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k], block_offsets[k], length,
+                    positions.empty() ? 0 : positions[k]};
     fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms);
-    starts[k + 1] = starts[k] + (n + BLOCK - 1) / BLOCK;
+    starts[k + 1] = starts[k] + blocks;
   }
   {
     pybind11::gil_scoped_release no_gil;
@@ -1270,8 +1310,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       int64_t k = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
       for (int64_t u = begin; u < end; ++k) {
         const int64_t stop = std::min(end, starts[k + 1]);
-        if (stop > u)
-          fns[k](s, items[k], (u - starts[k]) * BLOCK, std::min(items[k].numel, (stop - starts[k]) * BLOCK));
+        if (stop > u) fns[k](s, items[k], u - starts[k], stop - starts[k]);
         u = stop;
       }
     });

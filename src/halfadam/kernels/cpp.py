@@ -1,10 +1,14 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
-``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, coefficients, grad_scale, l2,
-optimized_update, step, positions)``: one Adam/AdamW step over a list of float16/bfloat16/float32
-parameters whose state lives in flat buffers (``state``: :attr:`halfadam.buckets.Bucket.flat`, or one
-shard's own state tensors flattened; ``positions``: each parameter's first element's index in its
-whole parameter, the random bits' positions, or empty for 0), in one call (no gathering of gradients
+``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, block_offsets,
+row_lengths, coefficients, grad_scale, l2, optimized_update, step, positions)``: one Adam/AdamW step
+over a list of float16/bfloat16/float32 parameters whose state lives in flat buffers (``state``:
+:attr:`halfadam.buckets.Bucket.flat`, or one shard's own state tensors flattened; ``offsets``: each
+parameter's first element in the per-element buffers, ``block_offsets``: its first block in the
+per-block ones; ``row_lengths``: the elements of each of its rows of blocks, each row cut into blocks
+of 128, the last one shorter where 128 does not divide it (:attr:`~halfadam.buckets.Bucket.row_lengths`;
+the numel: one row); ``positions``: each parameter's first element's index in its whole parameter,
+the random bits' positions, or empty for 0), in one call (no gathering of gradients
 or parameters, no per-tensor Python), in every state format (the encodings of
 :mod:`halfadam.encodings`, bit for bit, 8-bit moments and their ``*_scale`` bytes included);
 ``first_invalid(params, grads)``, the optimizer's per-gradient checks in one call (the index of the
