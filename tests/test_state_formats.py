@@ -106,3 +106,56 @@ def test_old_codes_decode_as_that_release_did():
             assert torch.equal(got[key].view(torch.int32), want.view(torch.int32)), (name, key)
     assert "codes of 2026-12-01" in E.format_of({**st, "exp_avg": torch.zeros(1, dtype=torch.uint8),
                                                   "exp_avg_absmax": torch.zeros(1)}).describe()
+
+
+def _within_a_code_in_rows(new, old, name):
+    """:func:`_within_a_code` for a [rows, length] tensor in today's blocks: each row cut into blocks of
+    128, its last one shorter (the scale of each is its own elements')."""
+    rows, length = old.shape
+    padded = -(-length // 128) * 128
+    pad = lambda t: torch.nn.functional.pad(t, (0, padded - length)).reshape(-1)  # noqa: E731
+    finite = old.isfinite()
+    assert finite.all()
+    err = (pad(new) - pad(old)).abs()
+    blocks = pad(old).abs().reshape(-1, 128).amax(1, keepdim=True)
+    unit = torch.exp2(torch.floor(torch.log2(blocks)) - E._SPAN[name]).expand(-1, 128).reshape(-1)
+    assert (err <= torch.maximum(pad(old).abs() / 4, unit / 4) * (1 + 1e-6)).all(), name
+
+
+@pytest.mark.parametrize("layout", ["float32 fields", "flat blocks"])
+def test_rows_with_short_blocks_load_from_older_layouts(layout):
+    """A [5, 200] weight (rows of a block of 128 and one of 72): 763dbb7 (2026-12-01) kept float32 fields
+    for it; releases before it kept its per-block state in blocks of 128 over the flattened parameter
+    (1-D per-block keys). Both load into compact, converted to today's blocks: the master exactly, each
+    moment within a code of the value the checkpoint holds."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(5, 200, generator=g) * 0.05).bfloat16())
+    master = p.detach().float() * (1 + (torch.rand(5, 200, generator=g) - 0.5) * 2 ** -12)  # rounds to p
+    m = torch.randn(5, 200, generator=g) * torch.logspace(-6, 0, 1000).view(5, 200)
+    values = {"master_weight": master, "exp_avg": m, "exp_avg_sq": m * m * 2 + 1e-12}
+    opt = halfadam.AdamW([p], lr=1e-3, state_mode="compact" if layout == "flat blocks" else "fp32",
+                         implementation="foreach")
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    if layout == "float32 fields":
+        sd["state"][0].update({k: v.clone() for k, v in values.items()})
+        held = values
+    else:  # the flat layout, encoded by its rule (its 1-D keys select it in the decoder)
+        fmt = E.PRESETS["compact"]
+        old = {k: v.clone() for k, v in sd["state"][0].items() if isinstance(v, torch.Tensor) and k != "step"}
+        old.update({k: torch.zeros(8, dtype=torch.uint8) for k in E.block_keys(fmt, True)})
+        E.encode_state_(fmt, p.detach(), old, values, 5.0)
+        sd["state"][0].update(old)
+        held = E.decode_state(fmt, p.detach(), old)
+        assert torch.equal(held["master_weight"], master)
+    sd["state"][0]["step"] = torch.tensor(5.0)
+    twin = torch.nn.Parameter(p.detach().clone())
+    opt2 = halfadam.AdamW([twin], lr=1e-3, state_mode="compact", implementation="foreach")
+    opt2.load_state_dict(sd)
+    st = opt2.state[twin]
+    assert st["exp_avg_scale"].shape == (5, 2) and st["master_tie"].shape == (5, 2)
+    new = E.decode_state(E.PRESETS["compact"], twin.detach(), st)
+    assert torch.equal(new["master_weight"], master)
+    for key in ("exp_avg", "exp_avg_sq"):
+        _within_a_code_in_rows(new[key], held[key], key)
