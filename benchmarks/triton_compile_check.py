@@ -23,7 +23,8 @@ means compute-bound. A variant's name gives its parameter and gradient dtypes, `
 float32 parameter; 1: fp32 master; 2: split master), the ``m``/``v`` moment encodings and its
 switches (``l2``: Adam's L2 decay, ``scale``: a gradient scale, ``per-tensor``: per-tensor step
 counts, ``state-in-table``: FSDP2 shards' own state, ``aligned``: 16-byte loads and stores, the
-launches of nearly every model). The closing summary gives the four state modes' counts for bf16
+launches of nearly every model; ``rows``: a launch with rows that end in a short block, each block's
+row found by a division). The closing summary gives the four state modes' counts for bf16
 parameters with float32 gradients (GradScaler's) against a target per mode: the low-memory-state
 issue's (2026-12-01; ``over`` marks a miss, which fails nothing here).
 """
@@ -109,7 +110,7 @@ def signature(m_kind: int, v_kind: int) -> dict:
            "m_ptr": "*" + _MOMENT[m_kind], "v_ptr": "*" + _MOMENT[v_kind], "m_scale_ptr": "*u8",
            "v_scale_ptr": "*u8"}
     for name in ("P_DTYPE", "G_DTYPE", "MASTER", "M_KIND", "V_KIND", "L2", "OPTIMIZED", "HAS_SCALE", "HAS_FOUND_INF",
-                 "SCALARS_STRIDE", "STATE_IN_TABLE", "ALIGNED", "CVT", "NB", "BLOCK_", "CHUNK_"):
+                 "SCALARS_STRIDE", "STATE_IN_TABLE", "ALIGNED", "ROWS", "CVT", "NB", "BLOCK_", "CHUNK_"):
         sig[name] = "constexpr"
     return sig
 
@@ -132,21 +133,25 @@ def compile_variant(const: dict, arch: int = 90):
 
 
 def variants():
-    """Every parameter dtype with its masters and moment encodings, and each switch once."""
+    """Every parameter dtype with its masters and moment encodings, and each switch once; the launches with
+    short blocks (``ROWS``) of every format with per-block keys for bf16 parameters, fp16 and float32
+    ones in compact, and FSDP2 shards in compact."""
+    plain = dict(G_DTYPE=tl.float32, L2=False, OPTIMIZED=False, HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0,
+                 STATE_IN_TABLE=False, ALIGNED=True, ROWS=False)
     for pdt, master, mk, vk in itertools.product((tl.bfloat16, tl.float16, tl.float32), (0, 1, 2), (0, 1, 2), (0, 1, 2)):
         if (pdt == tl.float32) != (master == 0):
             continue  # float32 parameters have no master; half ones in buckets always have one
-        yield dict(P_DTYPE=pdt, G_DTYPE=tl.float32, MASTER=master, M_KIND=mk, V_KIND=vk, L2=False, OPTIMIZED=False,
-                   HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False, ALIGNED=True)
-    base = dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2)
-    yield dict(base, L2=True, OPTIMIZED=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10,
-               STATE_IN_TABLE=False, ALIGNED=True)
-    yield dict(base, MASTER=1, M_KIND=1, V_KIND=1, L2=False, OPTIMIZED=False, HAS_SCALE=True, HAS_FOUND_INF=False,
-               SCALARS_STRIDE=0, STATE_IN_TABLE=True, ALIGNED=True)
+        yield dict(plain, P_DTYPE=pdt, MASTER=master, M_KIND=mk, V_KIND=vk)
+    base = dict(plain, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2)
+    yield dict(base, L2=True, OPTIMIZED=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10)
+    yield dict(base, MASTER=1, M_KIND=1, V_KIND=1, HAS_SCALE=True, STATE_IN_TABLE=True)
     for master, kinds in ((1, 0), (2, 2)):  # a launch with a tensor of a size or address not a multiple of 8 / 16 B
-        yield dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, MASTER=master, M_KIND=kinds, V_KIND=kinds, L2=False,
-                   OPTIMIZED=False, HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False,
-                   ALIGNED=False)
+        yield dict(plain, P_DTYPE=tl.bfloat16, MASTER=master, M_KIND=kinds, V_KIND=kinds, ALIGNED=False)
+    rows = dict(plain, ALIGNED=False, ROWS=True)  # (never aligned: rows start anywhere)
+    for pdt, master, kinds in ((tl.bfloat16, 2, 0), (tl.bfloat16, 2, 1), (tl.bfloat16, 2, 2), (tl.bfloat16, 1, 2),
+                               (tl.float16, 2, 2), (tl.float32, 0, 2)):
+        yield dict(rows, P_DTYPE=pdt, MASTER=master, M_KIND=kinds, V_KIND=kinds)
+    yield dict(rows, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2, STATE_IN_TABLE=True)
 
 
 #: The state modes' variants for bf16 parameters (float32 gradients, as GradScaler hands them over) and
@@ -162,7 +167,7 @@ def check(arch: int) -> int:
                 f"m={_MOMENT[const['M_KIND']]} "
                 f"v={_MOMENT[const['V_KIND']]} l2={const['L2']} scale={const['HAS_SCALE']} "
                 f"found_inf={const['HAS_FOUND_INF']} per-tensor={const['SCALARS_STRIDE'] > 0} "
-                f"state-in-table={const['STATE_IN_TABLE']} aligned={const['ALIGNED']}")
+                f"state-in-table={const['STATE_IN_TABLE']} aligned={const['ALIGNED']} rows={const['ROWS']}")
         try:
             out = compile_variant(const, arch)
         except Exception as exc:
@@ -186,7 +191,8 @@ def check(arch: int) -> int:
             mem_ns, issue_ns = moved / HBM_BYTES_PER_S * 1e9, per_element / LANE_INSTRUCTIONS_PER_S * 1e9
             speed = (f"; SASS {per_element:.0f} instr/element, {moved:.2f} B/element; H200 per 1M elements: "
                      f"memory {mem_ns * 1e3:.2f} us, issue {issue_ns * 1e3:.2f} us (issue/mem {issue_ns / mem_ns:.2f})")
-            plain = not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"]) and const["ALIGNED"]
+            plain = const["ALIGNED"] and not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"]
+                                              or const["ROWS"])
             for mode, (kinds, budget) in MODES.items():
                 if plain and const["P_DTYPE"] == tl.bfloat16 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
                     per_mode[mode] = (per_element, budget, issue_ns / mem_ns)

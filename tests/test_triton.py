@@ -18,7 +18,7 @@ import torch
 import halfadam
 from halfadam import encodings as E
 from halfadam import executions
-from conftest import assert_same_runs, needs_triton
+from conftest import assert_same_runs, needs_triton, same_bits
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("one_thread"),
               # the interpreter's numpy reports the overflows the tests make on purpose (g * g = inf)
@@ -130,7 +130,8 @@ def _train(impl, dtype, cls=halfadam.AdamW, kw=None, steps=4, grad_dtype=None, p
            shapes=SHAPES):
     """``steps`` steps: a parameter without a gradient at step 1 (its step count then lags: the later
     steps launch once per step count), a loss scale at step 3, a strided parameter with a strided
-    gradient; ``poison``: a nan and an inf gradient at step 2."""
+    gradient; ``poison``: a nan and an inf gradient at step 2 (True: those of :data:`SHAPES`; else
+    ``(parameter, flat index, value)`` triples)."""
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, dtype)) for s in shapes]
     if strided:
@@ -146,9 +147,9 @@ def _train(impl, dtype, cls=halfadam.AdamW, kw=None, steps=4, grad_dtype=None, p
         if t == 1:
             del grads[params[2]]
         if poison and t == 2:
-            grads[params[0]].view(-1)[200] = math.nan
-            grads[params[2]].view(-1)[-1] = math.inf  # the last block
-            grads[params[3]].view(-1)[2099] = -math.inf
+            triples = ((0, 200, math.nan), (2, -1, math.inf), (3, 2099, -math.inf)) if poison is True else poison
+            for k, i, value in triples:
+                grads[params[k]].view(-1)[i] = value  # (2, -1): the last block
         opt.step(grads=grads, grad_scale=torch.tensor([0.5], device=DEVICE) if t == 3 else None)
     return params, opt
 
@@ -161,6 +162,92 @@ def test_every_format_is_the_reference_bit_for_bit(fmt, dtype):
     cls, kw = OPTIMIZERS["adamw"]
     kw = dict(kw, **FORMATS[fmt])
     assert_same_runs(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), fmt)
+
+
+#: rows that end in a short block (200, 9, 27, 64, 130 and 129 elements: the last block of 72, 9, 27, 64, 2
+#: and 1), beside rows of whole blocks, a single row of 200 (blocks over the flat tensor, a short last one)
+#: and a 1-D one (_train: the third has no gradient at step 1)
+ROW_SHAPES = [(5, 200), (7, 9), (4, 3, 3, 3), (3, 64), (1, 200), (2, 130), (33, 129), (3, 256), (10,)]
+#: non-finite gradients in short blocks: in a row's last block of 72, the single element of one of (33, 129)'s,
+#: a row of 9
+ROW_POISON = ((0, 2 * 200 + 150, math.nan), (6, 10 * 129 + 128, math.inf), (1, 4 * 9 + 3, -math.inf))
+
+
+@pytest.mark.parametrize("mode, dtype", [(m, d) for m in ("compact", "bf16", "split")
+                                          for d in (torch.bfloat16, torch.float16)] + [("compact", torch.float32)],
+                         ids=lambda v: v if isinstance(v, str) else str(v)[6:])
+def test_rows_with_short_blocks_are_the_reference_bit_for_bit(mode, dtype):
+    """Parameters whose rows end in a short block (the launch finds each block's row) beside rows of whole
+    blocks, a parameter without a gradient at step 1, nan and inf gradients in short blocks, a loss scale,
+    a strided parameter: every parameter's and state tensor's bytes equal the reference execution's
+    (float32 parameters: compact's uint8 moments, no master)."""
+    from halfadam.kernels import triton as triton_kernel
+
+    cls, kw = OPTIMIZERS["adamw"]
+    kw = dict(kw, state_mode=mode)
+    ref = _train("reference", dtype, cls, kw, poison=ROW_POISON, shapes=ROW_SHAPES)
+    tables, real = [], triton_kernel.tensor_table
+    triton_kernel.tensor_table = lambda *a, **k: tables.append(real(*a, **k)) or tables[-1]
+    try:
+        tri = _train("triton", dtype, cls, kw, poison=ROW_POISON, shapes=ROW_SHAPES)
+    finally:
+        triton_kernel.tensor_table = real
+    assert_same_runs(ref, tri, mode)
+    assert any(t.rows for t in tables)
+    params, opt = tri
+    key = "master_tie" if dtype != torch.float32 else "exp_avg_scale"
+    for p, shape in zip(params, ROW_SHAPES[:-1]):  # per-block state: (rows, blocks per row)
+        assert opt.state[p][key].shape == (shape[0], -(-math.prod(shape[1:]) // 128)), shape
+    for k, i, _ in ROW_POISON:  # each non-finite gradient made its element nan, and only it
+        assert bool(params[k].view(-1)[i].isnan()) and int(params[k].isnan().sum()) == 1, (k, i)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "compact"])
+def test_shards_write_only_their_own_state(mode):
+    """executions.shard_step (FSDP2's local shards: each tensor's own state tensors in the table) for a
+    (7, 9) shard (rows of one short block; its first element at position 18 of its parameter), a (1, 200)
+    one (a short last block of the flat tensor) and a 1-D (100,) one (bf16 moments: blocked because
+    stochastic, a short block with no per-block key): the reference's bits, and no byte written beyond the
+    state tensors (each lies inside a larger tensor whose other elements must keep their values)."""
+    fmt = E.state_format(mode)
+    hp = executions.Hyperparameters(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decay="decoupled",
+                                    optimized_update=True)
+    g = torch.Generator().manual_seed(0)
+    shapes, offsets = [(7, 9), (1, 200), (100,)], [18, 0, 0]
+    params = [torch.randn(s, generator=g).to(DEVICE, torch.bfloat16) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(DEVICE, torch.bfloat16) for s in shapes] for _ in range(3)]
+    grads[1][0].view(-1)[4 * 9 + 8] = math.inf
+    runs = {}
+    for impl in ("reference", "triton"):
+        ps = [p.clone() for p in params]
+        states, surplus = {}, []
+        for p in ps:
+            st = {}
+            for key, t in E.new_state(E.for_param(fmt, p, True), p, True).items():
+                n = t.numel()  # inside 16 + n + 144 elements of a sentinel (16 before: the alignment kept)
+                outer = torch.full((16 + n + 144,), 0x55 if t.dtype == torch.uint8 else 7, dtype=t.dtype, device=DEVICE)
+                st[key] = outer[16:16 + n].view(t.shape).copy_(t)
+                surplus.append((outer, n, outer.clone()))
+            st["step"] = torch.tensor(0.0)
+            states[p] = st
+        for t in range(3):
+            left = executions.shard_step(list(zip(ps, grads[t])), states, hp, impl, fmt=fmt, offsets=offsets)
+            if impl == "triton":
+                assert left == []
+            else:
+                executions.reference_step([list(zip(ps, grads[t]))[k] for k in left], states, hp, fmt=fmt,
+                                          offsets=[offsets[k] for k in left])
+        for outer, n, before in surplus:
+            assert torch.equal(_bits(outer[:16]), _bits(before[:16])) and torch.equal(_bits(outer[16 + n:]),
+                                                                                     _bits(before[16 + n:])), impl
+        runs[impl] = ps, states
+    for p, q in zip(runs["reference"][0], runs["triton"][0]):
+        assert same_bits(p, q)
+        sa, sb = runs["reference"][1][p], runs["triton"][1][q]
+        assert sa.keys() == sb.keys()
+        assert all(same_bits(sa[k], sb[k]) for k in sa), [k for k in sa if not same_bits(sa[k], sb[k])]
+    assert "master_tie" in runs["triton"][1][runs["triton"][0][0]]
+    assert bool(runs["triton"][0][0].view(-1)[4 * 9 + 8].isnan())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
@@ -216,6 +303,25 @@ def test_nonfinite_gradients_are_the_reference(mode):
         st = opt.state[params[0]]
         assert int(st["exp_avg"].view(-1)[200]) == E._NAN_CODE["exp_avg"]
         assert int(st["exp_avg_sq"].view(-1)[200]) == E._NAN_CODE["exp_avg_sq"]
+
+
+def test_split_masters_at_the_bfloat16_overflow_edge():
+    """Split masters stepped across 0x7F7F8000 (from there bfloat16's rounding is inf: no remainder is kept)
+    on both signs, from exact masters: the reference's bits, some parameters inf."""
+    runs = []
+    for impl in ("reference", "triton"):
+        pattern = torch.tensor([0x7F7F7000 - k * 0x40 for k in range(128)], dtype=torch.int64)
+        pattern = torch.cat([pattern, pattern - (1 << 32) + (1 << 31)]).to(torch.int32)  # and the negatives
+        master = pattern.view(torch.float32).reshape(2, 128).to(DEVICE)
+        p = torch.nn.Parameter(master.to(torch.bfloat16))
+        opt = halfadam.AdamW([p], lr=1e35, weight_decay=0.0, implementation=impl, state_mode="split")
+        g = torch.where(master > 0, -1.0, 1.0).to(torch.bfloat16)  # Adam's first step: lr away from zero
+        opt.step(grads={p: g})
+        E.set_master_(p, opt.state[p], master)
+        opt.step(grads={p: g})
+        runs.append(([p], opt))
+    assert_same_runs(*runs, "overflow")
+    assert 0 < int(runs[1][0][0].isinf().sum()) < 256
 
 
 def test_master_sync_and_tied_parameters():
@@ -377,8 +483,9 @@ def test_one_step_encodes_the_fp32_state_values(dtype):
 
 # ------------------------------------------------------------------------- the launch and its tables
 def test_one_launch_per_bucket_and_cached_tables(monkeypatch):
-    """A step is one kernel launch per bucket; the work list is kept while the same parameters step, the
-    tensor table while the addresses stay (gradients kept by zero_grad(set_to_none=False))."""
+    """A step is one kernel launch per bucket (here two: the weights' split masters, rows of one short block,
+    and the biases' fp32 masters, 1-D); the work list is kept while the same parameters step, the tensor
+    table while the addresses stay (gradients kept by zero_grad(set_to_none=False))."""
     from halfadam.kernels import triton as triton_kernel
 
     launches, tables = [], []
@@ -391,11 +498,11 @@ def test_one_launch_per_bucket_and_cached_tables(monkeypatch):
         model(torch.randn(2, 8).to(DEVICE, torch.bfloat16)).float().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    assert len(launches) == 3 and len(tables) == 1
+    assert len(launches) == 3 * 2 and len(tables) == 2
     opt.zero_grad(set_to_none=True)
     model(torch.randn(2, 8).to(DEVICE, torch.bfloat16)).float().sum().backward()
     opt.step()
-    assert len(launches) == 4 and len(tables) == 2
+    assert len(launches) == 4 * 2 and len(tables) == 4
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
@@ -614,8 +721,8 @@ def test_every_variant_compiles_for_the_gpu_with_ieee_arithmetic():
                           "triton_compile_check.py")
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "triton_compile_check: 0 failure(s)" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-    # 45 formats x dtypes, 2 switches, 2 launches of unaligned tensors
-    assert sum(line.startswith("ok   ") for line in out.stdout.splitlines()) == 49
+    # 45 formats x dtypes, 2 switches, 2 launches of unaligned tensors, 7 of rows that end in a short block
+    assert sum(line.startswith("ok   ") for line in out.stdout.splitlines()) == 56
     # the static speed of every variant, and per state mode: compact's 8-bit codes cost more instructions
     # than the fp32 state's plain loads (the low-memory-state issue's measure)
     assert all("instr/element" in line for line in out.stdout.splitlines() if line.startswith("ok   "))

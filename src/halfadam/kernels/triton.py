@@ -14,12 +14,23 @@ equivalent forms where they are cheaper (the comments say why they are the same)
 
 The parameters and gradients stay where they are. A launch reads two small device tables:
 
-* the **tensor table** (int64, one row per parameter of the launch): the addresses of the parameter
-  and of its gradient, the element count, the parameter's offset in the bucket's flat state buffers
-  and the position of its first element in the whole parameter (the random bits' positions);
+* the **tensor table** (int64, one row per parameter of the launch, :data:`TABLE_COLUMNS`): the
+  addresses of the parameter and of its gradient, the element count, the elements the kernel steps
+  (its blocks times ``BLOCK`` in a blocked format), the parameter's offsets in the bucket's flat state
+  buffers (per element and per block), the length of its rows of blocks and the position of its first
+  element in the whole parameter (the random bits' positions);
 * the **work list** (int64, one row per program): a row of the tensor table and the first element
   of the program's :data:`CHUNK` elements (a multiple of ``BLOCK``), so small and large tensors
   share one grid. A program steps its elements a tile (:data:`TILE`) after the other.
+
+A parameter's rows of blocks (:func:`halfadam.encodings.row_length` elements each; one row, the
+flat tensor, where the format has no per-block keys) are cut into blocks of ``BLOCK``, a row's last
+one shorter where the length is no multiple of it (:func:`halfadam.encodings.has_rows`). A launch
+with such a tensor (:func:`tensor_table`'s ``rows``) gets the kernel that finds each block's row
+(``ROWS``): its programs' elements are then counted in whole blocks (each row padded to whole
+blocks, as the specification's layout: ``encodings._layout``), and block ``j`` of row ``r = j //
+per_row`` is the tensor's elements ``r * length + c * BLOCK + lane`` for ``c = j - r * per_row``.
+The others step ``BLOCK`` consecutive elements of the flat tensor per block.
 
 The work list depends only on the bucket's layout and which parameters step (cached); the tensor
 table only on the addresses (rebuilt when one changes: ``zero_grad(set_to_none=True)`` gives new
@@ -27,9 +38,9 @@ gradients every step, and a rebuild is one host list and one copy). The step's s
 coefficients of :func:`halfadam.functional.adam_coefficients` and the step, for the random bits)
 reach the kernel as one small device tensor, the loss scale and ``found_inf`` as device tensors:
 a launch waits for nothing on the host, and a set ``found_inf`` makes the kernel write nothing
-(as torch's fused AdamW). A table whose addresses are all 16-byte aligned and whose counts and
-offsets are multiples of 8 (:func:`tensor_table`'s ``aligned``; nearly every model's) gets the
-kernel that loads and stores 16 bytes at a time.
+(as torch's fused AdamW). A table whose addresses are all 16-byte aligned and whose counts, offsets
+and positions are multiples of 8 (:func:`tensor_table`'s ``aligned``; nearly every model's), and that
+has no short blocks, gets the kernel that loads and stores 16 bytes at a time.
 
 On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, as Triton reads
 it: ``triton.knobs.runtime.interpret``, at each launch): that is how the test suite checks it without
@@ -106,26 +117,24 @@ MASTER_NONE, MASTER_FP32, MASTER_SPLIT = 0, 1, 2
 MOMENT_FP32, MOMENT_BF16, MOMENT_UINT8 = 0, 1, 2
 _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.uint8: MOMENT_UINT8}
 
-#: Columns of the tensor table: addresses of the parameter and its gradient, element count, elements in
-#: the state buffers, offset in them, position of the first element in the whole parameter, then (for
-#: tensors whose state is their own, not a bucket's: FSDP2's local shards) the state tensors' addresses.
+#: Columns of the tensor table: addresses of the parameter and its gradient, element count, elements the
+#: kernel steps (a blocked format's blocks times BLOCK: each row padded to whole blocks), offset in the
+#: per-element state buffers, position of the first element in the whole parameter, elements per row of
+#: blocks, offset in the per-block state buffers, then (for tensors whose state is their own, not a
+#: bucket's: FSDP2's local shards; offsets 0) the state tensors' addresses.
 STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_sq",
                  "exp_avg_scale", "exp_avg_sq_scale")
-TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position") + STATE_COLUMNS
+TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position", "row_length",
+                 "block_offset") + STATE_COLUMNS
 #: A launch's tables are "aligned" (the kernel's loads and stores of 16 bytes) when every address in
-#: them is a multiple of 16 bytes and every element count and offset a multiple of :data:`VECTOR`.
+#: them is a multiple of 16 bytes and every element count, offset and position a multiple of :data:`VECTOR`.
 VECTOR = 8
 
 
 def _code_tiers(name: str) -> Tuple[Tuple[int, int, int], ...]:
     """encodings' uint8 codes of moment ``name``, tier by tier from the smallest values up: (mantissa
-    bits, first binade over the block's base, first code); one tier of ``_MANTISSA[name]`` bits where
-    encodings has no tiers."""
-    table = getattr(_encodings, "_TIER_TABLE", None)
-    if table is not None:
-        return tuple(tuple(int(v) for v in tier) for tier in table[name][0])
-    mantissa = _encodings._MANTISSA[name]
-    return ((mantissa, 0, 1 << mantissa),)
+    bits, first binade over the block's base, first code)."""
+    return tuple(tuple(int(v) for v in tier) for tier in _encodings._TIER_TABLE[name][0])
 
 
 if triton is not None:
@@ -143,13 +152,21 @@ if triton is not None:
     _M_INF = tl.constexpr(_INF_CODE["exp_avg"])
     _V_NAN = tl.constexpr(_NAN_CODE["exp_avg_sq"])
     _V_INF = tl.constexpr(_INF_CODE["exp_avg_sq"])
+    # 0x7F7F8000: float32 magnitudes from it up round to bfloat16's inf (it is halfway between inf and the
+    # largest value, whose pattern is odd)
+    _BF16_OVERFLOW = tl.constexpr(float.fromhex("0x1.ffp+127"))
     assert _MAGNITUDE_MASK["exp_avg"] == 127  # its sign is bit 7: the float32 sign bit shifted by 24
 
     @triton.jit
     def _hash(position, seed_term):
         """encodings._random_bits (uint32): three xor-shift-multiply rounds of position ^ seed_term."""
         h = position ^ seed_term
-        h = (h ^ (h >> 16)) * 0x7FEB352D
+        return _hash_rounds(h ^ (h >> 16))
+
+    @triton.jit
+    def _hash_rounds(h):
+        """:func:`_hash` from its first xor-shift's result on."""
+        h = h * 0x7FEB352D
         h = (h ^ (h >> 15)) * 0x2C1B3C6D
         h = (h ^ (h >> 16)) * 0x297A2D39
         return h ^ (h >> 15)
@@ -233,38 +250,39 @@ if triton is not None:
         return tl.where(y == float("inf"), 0, 0x7F7FFFFF).to(tl.uint32)
 
     @triton.jit
-    def _decode_uint8(code_ptr, scale_ptr, emask, bmask, IS_EXP_AVG: tl.constexpr):
+    def _decode_uint8(code_ptr, scale_ptr, mask, bmask, IS_EXP_AVG: tl.constexpr):
         """encodings._decode_moment of uint8 codes ([blocks, BLOCK] pointers) over their blocks' scales
-        (``[blocks]`` pointers): _decode_magnitude, then the reserved codes and exp_avg's sign bit."""
-        code = tl.load(code_ptr, mask=emask).to(tl.int32)
-        base = tl.load(scale_ptr, mask=bmask).to(tl.int32)[:, None]
-        if IS_EXP_AVG:
+        (``[blocks]`` pointers): _decode_magnitude, then the reserved codes and exp_avg's sign bit. A
+        masked-off code is 0 (the value 0, as the specification's padding)."""
+        base = tl.load(scale_ptr, mask=bmask, other=0).to(tl.int32)[:, None]
+        if IS_EXP_AVG:  # (the code as int8: its sign bit spread over the upper bits, bit 31 among them)
             TIERS: tl.constexpr = _M_TIERS
             NTIERS: tl.constexpr = _M_NTIERS
+            code = tl.load(code_ptr.to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.int32)
             k = code & _M_MAGNITUDE
         else:
             TIERS: tl.constexpr = _V_TIERS
             NTIERS: tl.constexpr = _V_NTIERS
-            k = code & _V_MAGNITUDE
+            k = tl.load(code_ptr, mask=mask, other=0).to(tl.int32)
         M0: tl.constexpr = TIERS[0][0]
+        # encodings._decode_magnitude: code k of tier (mantissa bits m, first binade r0, first code c) has the
+        # pattern (k - c) * 2**(23 - m) + (r0 << 23) + (base << 23), a line in k above base << 23. The lines'
+        # slopes fall from tier to tier and each meets the next at its first code (the value rounded up from
+        # a binade's top is the next binade's first): each tier's line is the lowest in its codes, so the
+        # pattern is base << 23 plus the lowest of the lines (integers mod 2**32, as the specification's)
+        line = k * (1 << (23 - M0)) - (TIERS[0][2] << (23 - M0))
+        for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
+            line = tl.minimum(line, k * (1 << (23 - TIERS[i][0]))
+                              + ((TIERS[i][1] << 23) - (TIERS[i][2] << (23 - TIERS[i][0]))))
+        unit = base << 23
         sub = k < (1 << M0)  # a subnormal: unit * k / 2**M0, the value of unit * (1 + k / 2**M0) less unit
-        if NTIERS == 1:
-            value = (k + ((base - 1) << M0) + tl.where(sub, 1 << M0, 0)) << (23 - M0)
-        else:  # encodings._decode_magnitude: the tier's mantissa bits and code offset
-            shift = tl.full(k.shape, 23 - M0, tl.int32)
-            offset = tl.where(sub, base << M0, (base - 1) << M0)
-            for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
-                later = k >= TIERS[i][2]
-                shift = tl.where(later, 23 - TIERS[i][0], shift)
-                offset = tl.where(later, ((base + TIERS[i][1]) << TIERS[i][0]) - TIERS[i][2], offset)
-            value = (k + offset) << shift
-        value = value.to(tl.float32, bitcast=True)
-        value = tl.where(sub, value - (base << 23).to(tl.float32, bitcast=True), value)
+        value = (line + tl.where(sub, unit + (1 << 23), unit)).to(tl.float32, bitcast=True)
+        value = tl.where(sub, value - unit.to(tl.float32, bitcast=True), value)
         nan = tl.full(value.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)  # math.nan's bits
         if IS_EXP_AVG:
             value = tl.where(k == _M_INF, float("inf"), value)
             # the sign bit: -value (the sign bit flipped)
-            value = (value.to(tl.int32, bitcast=True) ^ ((code << 24) & -2147483648)).to(tl.float32, bitcast=True)
+            value = (value.to(tl.int32, bitcast=True) ^ (code & -2147483648)).to(tl.float32, bitcast=True)
             value = tl.where(k == _M_NAN, nan, value)
         else:
             value = tl.where(k == _V_INF, float("inf"), value)
@@ -285,56 +303,58 @@ if triton is not None:
             SPAN: tl.constexpr = _V_SPAN
         M0: tl.constexpr = TIERS[0][0]
         bits = x.to(tl.int32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        finite = magnitude < 0x7F800000
-        a = tl.where(finite, magnitude, 0)  # |x| of the finite values, 0 for the others (bits)
-        # encodings._block_base: the integer max of the patterns is the largest magnitude's
-        base1 = tl.maximum((tl.max(a, axis=1) >> 23) - SPAN, 1)
+        a = bits & 0x7FFFFFFF  # |x| (bits); the codes of +-inf and nan are set at the end
+        # encodings._block_base over the finite values: 2 |x| + 2**24 (uint32 bits) is 2**24 (E + 1) and more
+        # for E the biased exponent of a finite x, and wraps around below 2**24 for +-inf and nan, so the
+        # blocks' integer max is 2**24 (E + 1) and more for E their largest finite magnitude's (a block
+        # without one: below 2**24, "E = -1", and the base 1 of E = 0)
+        top = tl.max(((bits << 1) + (1 << 24)).to(tl.uint32, bitcast=True), axis=1)
+        base1 = tl.maximum((top >> 24).to(tl.int32) - (SPAN + 1), 1)
         base = base1[:, None]
         unit = base << 23
-        sub = a < unit  # below the unit (non-negative patterns order as their values)
-        # encodings._encode_magnitude: a subnormal's pattern is that of a + unit, one binade lower
-        # (2**23 below: its code (y >> (23 - M0)) less 2**M0)
+        # encodings._encode_magnitude: a subnormal's (a < unit) pattern is that of a + unit, one binade lower
+        # (2**23 below: its code (y >> (23 - M0)) less 2**M0); that pattern is at least a's where a < unit
+        # (a value of [(a + unit) / 2, unit)), at most a's elsewhere: the larger of the two
         shifted = (a.to(tl.float32, bitcast=True) + unit.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-        y = tl.where(sub, shifted - (1 << 23), a)
-        if NTIERS == 1:
-            k = ((y + (r16 << (7 - M0))) >> (23 - M0)) - ((base - 1) << M0)
-        else:  # the binade's tier: its mantissa bits M and code offset; (y + (r16 << (7 - M))) >> (23 - M)
-            # is ((y >> (7 - M)) + r16) >> 16
-            low = tl.full(a.shape, 7 - M0, tl.int32)
-            offset = -((base - 1) << M0)
-            for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
-                later = a >= ((base + TIERS[i][1]) << 23)
-                low = tl.where(later, 7 - TIERS[i][0], low)
-                offset = tl.where(later, TIERS[i][2] - ((base + TIERS[i][1]) << TIERS[i][0]), offset)
-            k = (((y >> low) + r16) >> 16) + offset
+        y = tl.maximum(a, shifted - (1 << 23))
+        # the code in the binade's tier (mantissa bits m, first binade r0, first code c), rounded with r16
+        # below the kept bits: ((y + (r16 << (7 - m))) >> (23 - m)) + c - ((base + r0) << m). Each tier's
+        # codes, a line in y (its slope rising from tier to tier; each meets the next at its first code), are
+        # at least the other tiers' there (floors of lines apart by a multiple of y's distance to the edge):
+        # the code is the largest of the tiers'
+        k = ((y + (r16 << (7 - M0))) >> (23 - M0)) + (TIERS[0][2] - (base << M0))
+        for i in tl.static_range(1, NTIERS):  # (mantissa bits, first binade, first code)
+            k = tl.maximum(k, ((y + (r16 << (7 - TIERS[i][0]))) >> (23 - TIERS[i][0]))
+                           + (TIERS[i][2] - ((base + TIERS[i][1]) << TIERS[i][0])))
+        finite = a < 0x7F800000
         if IS_EXP_AVG:  # the sign bit (bit 7), a nan's aside
             code = tl.where(finite, k, _M_INF) | ((bits >> 24) & 128)
-            code = tl.where(magnitude > 0x7F800000, _M_NAN, code)
+            code = tl.where(a > 0x7F800000, _M_NAN, code)
         else:  # nonzero never to 0 (x > 0: a positive pattern; nan and +inf are set next)
             code = tl.where(bits > 0, tl.maximum(k, 1), 0)
             code = tl.where(finite, code, tl.where(bits == 0x7F800000, _V_INF, _V_NAN))
         return code, base1
 
     @triton.jit
-    def _load_moment(ptr, scale_ptr, emask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
+    def _load_moment(ptr, scale_ptr, mask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
         if KIND == 2:
-            return _decode_uint8(ptr, scale_ptr, emask, bmask, IS_EXP_AVG)
+            return _decode_uint8(ptr, scale_ptr, mask, bmask, IS_EXP_AVG)
         else:
-            return tl.load(ptr, mask=emask).to(tl.float32)
+            return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _store_moment(x, ptr, scale_ptr, emask, bmask, r16, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
-        """encodings._encode_moment_ (x: [blocks, BLOCK] float32; r16: the moment's 16 random bits)."""
+    def _store_moment(x, ptr, scale_ptr, mask, bmask, r16, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
+        """encodings._encode_moment_ (x: [blocks, BLOCK] float32, 0 where ``mask`` is off (a block's short
+        end: no value of its scale); r16: the moment's 16 random bits)."""
         if KIND == 0:
-            tl.store(ptr, x, mask=emask)
+            tl.store(ptr, x, mask=mask)
         elif KIND == 1:  # stochastic rounding: add 16 random bits below bfloat16's, truncate
-            t = (x.to(tl.int32, bitcast=True) + r16) >> 16
-            t = tl.where(x != x, 0x7FC0, t)  # a nan: bfloat16's (its bits plus r16 could carry into the sign)
-            tl.store(ptr.to(tl.pointer_type(tl.int16)), t.to(tl.int16), mask=emask)
+            # a nan: bfloat16's (its bits plus r16 could carry into the sign); the upper halves are stored
+            t = tl.where(x != x, 0x7FC00000, x.to(tl.uint32, bitcast=True)) + r16.to(tl.uint32)
+            tl.store(ptr.to(tl.pointer_type(tl.uint16)), (t >> 16).to(tl.uint16), mask=mask)
         else:
             code, base = _encode_uint8(x, r16, IS_EXP_AVG)
-            tl.store(ptr, code.to(tl.uint8), mask=emask)
+            tl.store(ptr, code.to(tl.uint8), mask=mask)
             tl.store(scale_ptr, base.to(tl.uint8), mask=bmask)
 
     @triton.jit
@@ -352,11 +372,15 @@ if triton is not None:
               one_minus_beta2, eps,
               grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
               P_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-              L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr, CVT: tl.constexpr,
-              BLOCK_: tl.constexpr):
-        """One tile of the step: its elements ``idx`` from ``param``/``grad`` (the tile's first ones) and from
-        element ``e`` (block ``eb``) of the flat state buffers; ``first``: its first element's index in the
-        tensor."""
+              L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr, OCTETS: tl.constexpr,
+              CVT: tl.constexpr, BLOCK_: tl.constexpr):
+        """One tile of the step: its elements ``idx`` ([blocks, BLOCK]) from ``param``/``grad`` (the tile's
+        first ones; those of ``pmask``) and from element ``e`` (block ``eb``) of the flat state buffers
+        (those of ``emask``, blocks of ``bmask``); ``first``: its first element's index in the tensor.
+        Elements off the masks (a block's short end) are loaded as zeros, the specification's padding
+        (``encodings._pad``): they step to zeros, change no block's scale or first tie, and are not stored
+        (where ``emask`` takes a bucket's whole blocks, the zeros of its padding are stored back). OCTETS:
+        the first element's position ``position0 + first`` is a multiple of 8."""
         blocks = tl.arange(0, idx.shape[0])
         g = tl.load(grad + idx, mask=pmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
@@ -366,13 +390,12 @@ if triton is not None:
         if MASTER == 0:
             w = p
         elif MASTER == 1:
-            master = tl.load(master_ptr + e + idx, mask=emask)
+            master = tl.load(master_ptr + e + idx, mask=emask, other=0.0)
             w = tl.where(_written(p, _round_to(master, P_DTYPE, CVT)), p, master)
         else:
-            # (state loads: no `other`; a masked-off block is neither stored nor met by a reduction)
-            tie = tl.load(tie_ptr + eb + blocks, mask=bmask).to(tl.int32) - 1  # its lane, or -1
-            r = ((tl.load(hi_ptr + e + idx, mask=emask).to(tl.int32) << 8)
-                 | tl.load(lo_ptr + e + idx, mask=emask).to(tl.int32))
+            tie = tl.load(tie_ptr + eb + blocks, mask=bmask, other=0).to(tl.int32) - 1  # its lane, or -1
+            r = ((tl.load(hi_ptr + e + idx, mask=emask, other=0).to(tl.int32) << 8)
+                 | tl.load(lo_ptr + e + idx, mask=emask, other=0).to(tl.int32))
             r += tl.where(lanes[None, :] == tie[:, None], 65536, 0)
             if P_DTYPE == tl.bfloat16:
                 pb = p.to(tl.int32, bitcast=True)
@@ -409,9 +432,16 @@ if triton is not None:
         w = w - tl.div_rn(m, d) * step_size
 
         if M_KIND != 0 or V_KIND != 0:  # one hash per element: exp_avg the upper 16 bits, exp_avg_sq the lower
-            seed = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True)
-            position = (position0 + first).to(tl.uint32) + idx.to(tl.uint32)
-            h = _hash(position, seed * 0x27D4EB2F + _SALT_C).to(tl.int32, bitcast=True)
+            seed_term = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True) * 0x27D4EB2F + _SALT_C
+            if OCTETS:  # the tile's first position a multiple of 8: element idx's is that of its group of 8,
+                # idx & ~7, or'ed with idx & 7, so position ^ seed_term is the group's g ^ (idx & 7), whose
+                # upper 16 bits are g's: the first xor-shift g ^ (g >> 16) is the group's (a thread's 8 elements
+                # of a tile are one group: once for them)
+                g = ((position0 + first).to(tl.uint32) + (idx & ~7).to(tl.uint32)) ^ seed_term
+                h = _hash_rounds((g ^ (g >> 16)) ^ (idx & 7).to(tl.uint32))
+            else:
+                h = _hash((position0 + first).to(tl.uint32) + idx.to(tl.uint32), seed_term)
+            h = h.to(tl.int32, bitcast=True)
             m_bits = (h >> 16) & 0xFFFF
             v_bits = h & 0xFFFF
         else:
@@ -427,10 +457,10 @@ if triton is not None:
         else:  # encodings._split_encode_
             if P_DTYPE == tl.bfloat16:
                 _store_param(param + idx, w, pmask, P_DTYPE, CVT)
-                rounded = _round_to(w, P_DTYPE, CVT)
-                # the difference of patterns; none over nan or +-inf (|rem| <= 2**15: nearest rounding)
-                rem = tl.where(tl.abs(rounded) < float("inf"),
-                               w.to(tl.int32, bitcast=True) - rounded.to(tl.int32, bitcast=True), 0)
+                # the difference of patterns (|rem| <= 2**15: nearest rounding); none over nan or +-inf, the
+                # rounding of w from 0x7F7F8000 up (a tie with an odd bfloat16 value: to inf) and of nan
+                rounded = _bf16_bits(w, CVT).to(tl.int32)
+                rem = tl.where(tl.abs(w) < _BF16_OVERFLOW, w.to(tl.int32, bitcast=True) - rounded * 65536, 0)
             else:
                 _store_param(param + idx, w, pmask, P_DTYPE, CVT)
                 r32 = _round_to(w, P_DTYPE, CVT)
@@ -454,8 +484,8 @@ if triton is not None:
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
                      V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, STATE_IN_TABLE: tl.constexpr,
-                     ALIGNED: tl.constexpr, CVT: tl.constexpr, NB: tl.constexpr, BLOCK_: tl.constexpr,
-                     CHUNK_: tl.constexpr):
+                     ALIGNED: tl.constexpr, ROWS: tl.constexpr, CVT: tl.constexpr, NB: tl.constexpr,
+                     BLOCK_: tl.constexpr, CHUNK_: tl.constexpr):
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0.0:
                 return
@@ -464,29 +494,30 @@ if triton is not None:
         pid = tl.program_id(0)
         t = tl.load(work_ptr + 2 * pid)
         start = tl.multiple_of(tl.load(work_ptr + 2 * pid + 1), CHUNK_)  # a multiple of CHUNK
-        row = table_ptr + 14 * t
+        row = table_ptr + 16 * t
         numel = tl.load(row + 2)
-        size = tl.load(row + 3)  # its elements in the state buffers: numel, padded to whole blocks when blocked
+        size = tl.load(row + 3)  # the elements it steps: numel, its blocks times BLOCK when blocked
         offset = tl.load(row + 4)
         if BLOCKED:
             offset = tl.multiple_of(offset, BLOCK_)
         elif ALIGNED:
             offset = tl.multiple_of(offset, 8)
         position0 = tl.load(row + 5)
+        block_offset = tl.load(row + 7)
         param = tl.load(row).to(tl.pointer_type(P_DTYPE))
         grad = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
         if ALIGNED:  # (a hint on a value made here: one on a jit function's argument is lost)
             param = tl.multiple_of(param, 16)
             grad = tl.multiple_of(grad, 16)
         if STATE_IN_TABLE:  # the tensor's own state tensors (offset 0 in them)
-            master_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-            hi_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int8))
-            lo_ptr = tl.load(row + 8).to(tl.pointer_type(tl.uint8))
-            tie_ptr = tl.load(row + 9).to(tl.pointer_type(tl.uint8))
-            m_ptr = _moment_ptr(tl.load(row + 10), M_KIND)
-            v_ptr = _moment_ptr(tl.load(row + 11), V_KIND)
-            m_scale_ptr = tl.load(row + 12).to(tl.pointer_type(tl.uint8))
-            v_scale_ptr = tl.load(row + 13).to(tl.pointer_type(tl.uint8))
+            master_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+            hi_ptr = tl.load(row + 9).to(tl.pointer_type(tl.int8))
+            lo_ptr = tl.load(row + 10).to(tl.pointer_type(tl.uint8))
+            tie_ptr = tl.load(row + 11).to(tl.pointer_type(tl.uint8))
+            m_ptr = _moment_ptr(tl.load(row + 12), M_KIND)
+            v_ptr = _moment_ptr(tl.load(row + 13), V_KIND)
+            m_scale_ptr = tl.load(row + 14).to(tl.pointer_type(tl.uint8))
+            v_scale_ptr = tl.load(row + 15).to(tl.pointer_type(tl.uint8))
             if ALIGNED:
                 master_ptr = tl.multiple_of(master_ptr, 16)
                 hi_ptr = tl.multiple_of(hi_ptr, 16)
@@ -509,27 +540,50 @@ if triton is not None:
         blocks = tl.arange(0, NB)
         lanes = tl.arange(0, BLOCK_)
         idx = blocks[:, None] * BLOCK_ + lanes[None, :]  # int32 indices from the tile's first element
-        block0 = (offset + start) >> 7  # (BLOCK_: 128) the program's first block in the per-block buffers
-        # the program's tiles of NB blocks (its CHUNK, cut at the state's end), one after the other
+        block0 = block_offset + (start >> 7)  # (BLOCK_: 128) the program's first block in the per-block buffers
+        if ROWS:  # rows of `length` elements: block j is row r = j // per_row's block c = j - r * per_row, its
+            length = tl.load(row + 6)  # elements r * length + c * BLOCK + lane for lane < length - c * BLOCK
+            per_row = ((length + (BLOCK_ - 1)) >> 7).to(tl.int32)
+            n_blocks = (size >> 7).to(tl.int32)
+        # the program's tiles of NB blocks (its CHUNK, cut at the tensor's end), one after the other
         for tile in tl.range(0, tl.cdiv(tl.minimum(size - start, CHUNK_), TILE_)):
-            first = tl.multiple_of(start + tile * TILE_, TILE_)
-            left = tl.minimum(numel - first, TILE_).to(tl.int32)  # in the parameter
-            state_left = tl.minimum(size - first, TILE_).to(tl.int32)  # in the state buffers
-            if ALIGNED:
-                left = tl.multiple_of(left, 8)
-                state_left = tl.multiple_of(state_left, 8)
-            pmask = idx < left
-            bmask = blocks * BLOCK_ < state_left
-            if BLOCKED:  # whole blocks: one mask per block
-                emask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
-            else:
-                emask = idx < state_left
-            e = offset + first  # the tile's first element in the flat state buffers, and its first block
-            _tile(param + first, grad + first, e, block0 + tile * NB, first, pmask, emask, bmask, lanes, idx, position0,
-                  scalars_row, decay_factor, l2, step_size, sqrt_bias_correction2, reciprocal, special, one_minus_beta1,
-                  beta2, one_minus_beta2, eps,
-                  grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
-                  P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, CVT, BLOCK_)
+            if ROWS:
+                j0 = ((start >> 7) + tile * NB).to(tl.int32)  # the tile's first block, its row and column
+                r0 = j0 // per_row
+                c0 = j0 - r0 * per_row
+                first = r0.to(tl.int64) * length + c0 * BLOCK_  # the tile's first element in the tensor
+                j = j0 + blocks
+                r = j // per_row
+                col = j - r * per_row
+                width = tl.minimum(length - col.to(tl.int64) * BLOCK_, BLOCK_).to(tl.int32)  # each block's elements
+                # each block's first element from the tile's (int32 arithmetic wraps around mod 2**32: the terms
+                # may, their sum is below TILE)
+                at = (r - r0) * length.to(tl.int32) + (col - c0) * BLOCK_
+                bmask = j < n_blocks
+                mask = bmask[:, None] & (lanes[None, :] < width[:, None])
+                _tile(param + first, grad + first, offset + first, block0 + tile * NB, first, mask, mask, bmask,
+                      lanes, at[:, None] + lanes[None, :], position0, scalars_row, decay_factor, l2, step_size,
+                      sqrt_bias_correction2, reciprocal, special, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+                      P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, False, CVT, BLOCK_)
+            else:  # BLOCK consecutive elements per block
+                first = tl.multiple_of(start + tile * TILE_, TILE_)
+                left = tl.minimum(numel - first, TILE_).to(tl.int32)
+                if ALIGNED:
+                    left = tl.multiple_of(left, 8)
+                pmask = idx < left  # (in a blocked format the last block is short where numel is no multiple of BLOCK)
+                bmask = blocks * BLOCK_ < left
+                if BLOCKED and not (ALIGNED or STATE_IN_TABLE):
+                    # a bucket's state buffers hold whole blocks (zeros after the tensor, which step to zeros):
+                    # one mask per block, so that their loads and stores move 16 bytes where the tensor's do not
+                    emask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
+                else:
+                    emask = pmask
+                _tile(param + first, grad + first, offset + first, block0 + tile * NB, first, pmask, emask, bmask,
+                      lanes, idx, position0, scalars_row, decay_factor, l2, step_size, sqrt_bias_correction2,
+                      reciprocal, special, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
+                      P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, ALIGNED, CVT, BLOCK_)
 
     @triton.jit
     def _uint8_kernel(x_ptr, code_ptr, scale_ptr, seed_ptr, IS_EXP_AVG: tl.constexpr, ENCODE: tl.constexpr,
@@ -538,16 +592,16 @@ if triton is not None:
         blocks = tl.program_id(0) * NB + tl.arange(0, NB)
         local = blocks[:, None] * BLOCK_ + tl.arange(0, BLOCK_)[None, :]
         bmask = blocks * BLOCK_ < N
-        emask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
+        mask = tl.broadcast_to(bmask[:, None], (NB, BLOCK_))
         if ENCODE:
-            x = tl.load(x_ptr + local, mask=emask, other=0.0)
+            x = tl.load(x_ptr + local, mask=mask, other=0.0)
             seed = tl.load(seed_ptr).to(tl.uint32, bitcast=True)
             h = _hash(local.to(tl.uint32), seed * 0x27D4EB2F + _SALT_C).to(tl.int32, bitcast=True)
             r16 = (h >> 16) & 0xFFFF if IS_EXP_AVG else h & 0xFFFF
-            _store_moment(x, code_ptr + local, scale_ptr + blocks, emask, bmask, r16, 2, IS_EXP_AVG)
+            _store_moment(x, code_ptr + local, scale_ptr + blocks, mask, bmask, r16, 2, IS_EXP_AVG)
         else:
-            x = _decode_uint8(code_ptr + local, scale_ptr + blocks, emask, bmask, IS_EXP_AVG)
-            tl.store(x_ptr + local, x, mask=emask)
+            x = _decode_uint8(code_ptr + local, scale_ptr + blocks, mask, bmask, IS_EXP_AVG)
+            tl.store(x_ptr + local, x, mask=mask)
 
     @triton.jit
     def _divide_kernel(x_ptr, out_ptr, c_ptr, N: tl.constexpr, BLOCK_: tl.constexpr):
@@ -565,8 +619,9 @@ if tl is not None:
 
 
 def work_list(sizes: List[int], device: torch.device) -> Tensor:
-    """The work list (int64 ``[programs, 2]``: tensor-table row, first element) for tensors of ``sizes``
-    elements in the state buffers (padded blocks included), each cut into chunks of :data:`CHUNK`."""
+    """The work list (int64 ``[programs, 2]``: tensor-table row, first element) for tensors of which the
+    kernel steps ``sizes`` elements (a blocked format's blocks times BLOCK), each cut into chunks of
+    :data:`CHUNK`."""
     counts = torch.tensor([max(-(-n // CHUNK), 1) for n in sizes], dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int64), counts)
     first = torch.cumsum(counts, 0) - counts
@@ -575,20 +630,26 @@ def work_list(sizes: List[int], device: torch.device) -> Tensor:
 
 
 def tensor_table(params: List[Tensor], grads: List[Tensor], sizes: List[int], offsets: List[int],
-                 positions: List[int], device: torch.device, states: Optional[List[Dict[str, Tensor]]] = None
-                 ) -> Tensor:
-    """The tensor table (int64 ``[len(params), 14]``, :data:`TABLE_COLUMNS`; the state columns from
-    ``states``, each tensor's own state, else 0); on a GPU copied without waiting. Its attribute
-    ``aligned`` says whether every address in it is a multiple of 16 bytes and every element count,
-    size and offset a multiple of :data:`VECTOR` (the launch then moves 16 bytes at a time)."""
+                 positions: List[int], device: torch.device, row_lengths: List[int], block_offsets: List[int],
+                 states: Optional[List[Dict[str, Tensor]]] = None) -> Tensor:
+    """The tensor table (int64 ``[len(params), 16]``, :data:`TABLE_COLUMNS`: ``sizes``, the elements the
+    kernel steps, as :func:`work_list`'s; ``row_lengths``, the elements per row of blocks (a tensor's
+    numel where the format has no per-block keys); the state columns from ``states``, each tensor's own
+    state, else 0); on a GPU copied without waiting. Its attribute ``rows`` says whether some tensor's
+    rows end in short blocks (the row length no multiple of BLOCK, nor the numel: the launch then
+    finds each block's row), ``aligned`` whether every address in it is a multiple of 16 bytes and every
+    element count, size, offset and position a multiple of :data:`VECTOR` (the launch then moves 16 bytes
+    at a time, where it has no short blocks)."""
     own = [[st[k].data_ptr() if k in st else 0 for k in STATE_COLUMNS] for st in states] if states else None
-    rows = [[p.data_ptr(), g.data_ptr(), p.numel(), n, o, q] + (own[i] if own else [0] * len(STATE_COLUMNS))
-            for i, (p, g, n, o, q) in enumerate(zip(params, grads, sizes, offsets, positions))]
+    rows = [[p.data_ptr(), g.data_ptr(), p.numel(), n, o, q, length, b] + (own[i] if own else [0] * len(STATE_COLUMNS))
+            for i, (p, g, n, o, q, length, b) in enumerate(zip(params, grads, sizes, offsets, positions, row_lengths,
+                                                               block_offsets))]
     aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[2] % VECTOR == 0 and r[3] % VECTOR == 0
-                  and r[4] % VECTOR == 0 and all(a % 16 == 0 for a in r[6:]) for r in rows)
-    host = torch.tensor(rows, dtype=torch.int64)
+                  and r[4] % VECTOR == 0 and r[5] % VECTOR == 0 and all(a % 16 == 0 for a in r[8:]) for r in rows)
+    host = torch.tensor(rows, dtype=torch.int64).view(-1, len(TABLE_COLUMNS))
     table = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
     table.aligned = aligned
+    table.rows = any(r[6] % BLOCK != 0 and r[6] != r[2] for r in rows)
     return table
 
 
@@ -622,16 +683,18 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
            found_inf: Optional[Tensor] = None) -> None:
     """One launch of the kernel over the programs of ``work`` (see the module docstring).
 
-    ``table``: :func:`tensor_table` (its ``aligned`` attribute, when it has one, picks the kernel that
-    moves 16 bytes at a time); ``scalars_``: :func:`scalars` (one row for every tensor) or
-    :func:`device_scalars` (a row per tensor-table row); ``stored``: the bucket's flat state buffers by
+    ``table``: :func:`tensor_table` (its ``rows`` attribute picks the kernel that finds each block's row,
+    else its ``aligned`` attribute, when it has one, the one that moves 16 bytes at a time);
+    ``scalars_``: :func:`scalars` (one row for every tensor) or :func:`device_scalars` (a row per
+    tensor-table row); ``stored``: the bucket's flat state buffers by
     key (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`; empty: each
     tensor's own state tensors are in the table); ``grad_scale``, ``found_inf``: 1-element float32
     device tensors or ``None``.
     """
     dummy = scalars_
     get = lambda key: stored.get(key, dummy)  # noqa: E731  (stored empty: the state is in the table)
-    aligned = bool(getattr(table, "aligned", False)) and all(t.data_ptr() % 16 == 0 for t in stored.values())
+    rows = bool(table.rows)
+    aligned = not rows and bool(getattr(table, "aligned", False)) and all(t.data_ptr() % 16 == 0 for t in stored.values())
     _adam_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
         get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), get("exp_avg"),
@@ -640,7 +703,7 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, ALIGNED=aligned,
-        CVT=not interpreted(),
+        ROWS=rows, CVT=not interpreted(),
         NB=_blocks_per_tile(), BLOCK_=BLOCK, CHUNK_=CHUNK, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
