@@ -575,7 +575,7 @@ def test_found_inf_on_the_device_skips_inside_the_kernel(flag, monkeypatch):
         for p in params:
             st = opt.state[p]
             assert all(not bool(st[k].view(torch.uint8).any()) for k in st if k not in ("step", "master_weight"))
-            assert "master_weight" not in st or torch.equal(st["master_weight"], p.float())  # rows not whole blocks
+            assert "master_weight" not in st or torch.equal(st["master_weight"], p.float())  # 1-D parameters
         fresh = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES[:1]]
         assert torch.equal(params[0].detach().cpu(), fresh[0].bfloat16())
     else:
