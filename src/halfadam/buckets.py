@@ -88,8 +88,7 @@ class Bucket:
         self.numel = total
         block_keys = encodings.block_keys(self.format, self.has_master)
         self.row_lengths = [encodings.row_length(tuple(s)) if block_keys else n for s, n in zip(self.shapes, self.numels)]
-        self.block_counts = [n // length * encodings.n_blocks(length) if length else 0
-                             for n, length in zip(self.numels, self.row_lengths)]
+        self.block_counts = [encodings.blocks_in_rows(n, length) for n, length in zip(self.numels, self.row_lengths)]
         self.block_offsets = [sum(self.block_counts[:i]) for i in range(len(params))]
         on = dict(device=self.device)
         self.flat: Dict[str, Tensor] = {

@@ -308,6 +308,12 @@ def n_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def blocks_in_rows(numel: int, length: int) -> int:
+    """The blocks of ``numel`` elements in rows of ``length`` (each row cut into blocks of BLOCK, its
+    last one shorter; no rows, no blocks)."""
+    return numel // length * n_blocks(length) if length else 0
+
+
 # ---------------------------------------------------------------------------------- random bits
 _MASK32 = 0xFFFFFFFF
 

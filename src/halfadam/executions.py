@@ -444,7 +444,7 @@ def _work_size(numel: int, row_length: int, fmt: StateFormat) -> int:
     times BLOCK in a blocked format (each row padded to whole blocks), else ``numel``."""
     if not fmt.blocked:
         return numel
-    return numel // row_length * encodings.n_blocks(row_length) * encodings.BLOCK if row_length else 0
+    return encodings.blocks_in_rows(numel, row_length) * encodings.BLOCK
 
 
 def _launch_grad_dtype(grads: List[Tensor], param_dtype: torch.dtype) -> torch.dtype:
