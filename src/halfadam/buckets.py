@@ -55,8 +55,9 @@ class Bucket:
             buffers; with a blocked format (:attr:`halfadam.encodings.StateFormat.blocked`) each
             parameter starts at a multiple of ``BLOCK`` and ``sizes`` (its numel rounded up) leaves zero
             padding after it.
-        row_lengths: the elements of each parameter's rows of blocks (:func:`halfadam.encodings.row_length`
-            where the format has per-block keys; else its numel: blocks over the flat parameter). A row
+        row_lengths: the elements of each parameter's rows of blocks
+            (:func:`halfadam.encodings.kernel_row_length`: its rows' where the format has per-block keys,
+            else its numel: blocks over the flat parameter). A row
             is cut into blocks of ``BLOCK``, its last one shorter where the length is no multiple of it.
         block_counts, block_offsets: each parameter's blocks and its first block's index in the flat
             per-block buffers.
@@ -86,14 +87,14 @@ class Bucket:
             self.offsets.append(total)
             total += n
         self.numel = total
-        block_keys = encodings.block_keys(self.format, self.has_master)
-        self.row_lengths = [encodings.row_length(tuple(s)) if block_keys else n for s, n in zip(self.shapes, self.numels)]
+        self.row_lengths = [encodings.kernel_row_length(self.format, tuple(s), self.has_master) for s in self.shapes]
         self.block_counts = [encodings.blocks_in_rows(n, length) for n, length in zip(self.numels, self.row_lengths)]
         self.block_offsets = [sum(self.block_counts[:i]) for i in range(len(params))]
         on = dict(device=self.device)
         self.flat: Dict[str, Tensor] = {
             key: torch.zeros(total, dtype=dt, **on) for key, dt in encodings.element_keys(self.format, self.has_master).items()}
-        self.flat.update({key: torch.zeros(sum(self.block_counts), dtype=dt, **on) for key, dt in block_keys.items()})
+        self.flat.update({key: torch.zeros(sum(self.block_counts), dtype=dt, **on)
+                          for key, dt in encodings.block_keys(self.format, self.has_master).items()})
         # each block's index within its parameter: the stochastic rounding's positions (encodings.positions),
         # for the parameters whose blocks are whole (the others step in their padded layout: has_tails)
         self.block_index: Optional[Tensor] = None
@@ -152,7 +153,7 @@ class Bucket:
 
     def has_tails(self, i: int) -> bool:
         """Whether parameter ``i``'s rows end in short blocks (its flat state is then not whole blocks)."""
-        return self.row_lengths[i] % BLOCK != 0 and self.row_lengths[i] != self.numels[i]
+        return encodings.has_short_blocks(self.numels[i], self.row_lengths[i])
 
     def state_views(self, i: int) -> Dict[str, Tensor]:
         """Parameter ``i``'s views of every flat buffer, by key (its shapes: the parameter's, or

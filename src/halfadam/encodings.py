@@ -290,6 +290,19 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def kernel_row_length(fmt: StateFormat, shape: Tuple[int, ...], has_master: bool = True) -> int:
+    """The elements per row of blocks the kernels step a parameter of ``shape`` in ``fmt`` by:
+    :func:`row_length` where ``fmt`` has per-block keys, else its numel (one row: blocks over the flat
+    tensor, no per-block state to keep within rows)."""
+    return row_length(shape) if block_keys(fmt, has_master) else math.prod(shape)
+
+
+def has_short_blocks(numel: int, length: int) -> bool:
+    """Whether rows of ``length`` elements (``numel`` in all) end in a short block: ``length`` is no
+    multiple of BLOCK and not the whole tensor (whose last block is followed by padding)."""
+    return length % BLOCK != 0 and length != numel
+
+
 def bytes_per_element(fmt: StateFormat, has_master: bool = True) -> float:
     """State bytes per parameter element of rows of whole blocks (per-block keys spread over their
     BLOCK elements)."""

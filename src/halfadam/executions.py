@@ -404,7 +404,8 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         if kernel is not None:
             if step not in coefficients:
                 coefficients[step] = hp.coefficients(step)
-            _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [0], [_row_length(p, pfmt)],
+            _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [0],
+                      [encodings.kernel_row_length(pfmt, tuple(p.shape), with_master)],
                       [offsets[k] if offsets else 0], pfmt, hp, coefficients[step], grad_scale, step)
             st["step"] += 1
         elif fits and implementation in ("auto", "triton") \
@@ -417,7 +418,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
         gdtype = _launch_grad_dtype(grads, dtype)
         grads = [g.to(gdtype).contiguous() for g in grads]
-        rows = [_row_length(p, pfmt) for p in params]
+        rows = [encodings.kernel_row_length(pfmt, tuple(p.shape), with_master) for p in params]
         sizes = [_work_size(p.numel(), r, pfmt) for p, r in zip(params, rows)]
         table = triton_kernel.tensor_table(params, grads, sizes, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
                                            device, rows, [0] * len(ks), states=[state[pairs[k][0]] for k in ks])
@@ -431,12 +432,6 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         for k in ks:
             state[pairs[k][0]]["step"] += 1
     return left
-
-
-def _row_length(p: Tensor, fmt: StateFormat) -> int:
-    """The elements per row of blocks of a parameter (shard) ``p`` in ``fmt``: its rows' where ``fmt`` has
-    per-block keys (:func:`halfadam.encodings.row_length`), else its numel (blocks over the flat tensor)."""
-    return encodings.row_length(tuple(p.shape)) if encodings.block_keys(fmt, True) else p.numel()
 
 
 def _work_size(numel: int, row_length: int, fmt: StateFormat) -> int:
@@ -495,10 +490,10 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
         if not g.is_contiguous() or g.dtype != gdtype:
             grads[k] = bucket.views(bucket.grad_buffer(torch.float32))[i].copy_(g) if gdtype == torch.float32 \
                 else g.contiguous()
-    sizes = [_work_size(bucket.numels[i], bucket.row_lengths[i], bucket.format) for i in index]
-    work = _cached(bucket, "work", tuple(index), lambda key: triton_kernel.work_list(sizes, device))
+    sizes = lambda: [_work_size(bucket.numels[i], bucket.row_lengths[i], bucket.format) for i in index]  # noqa: E731
+    work = _cached(bucket, "work", tuple(index), lambda key: triton_kernel.work_list(sizes(), device))
     table = _cached(bucket, "table", tuple(p.data_ptr() for p in params) + tuple(g.data_ptr() for g in grads),
-                    lambda key: triton_kernel.tensor_table(params, grads, sizes, [bucket.offsets[i] for i in index],
+                    lambda key: triton_kernel.tensor_table(params, grads, sizes(), [bucket.offsets[i] for i in index],
                                                            [0] * len(index), device,
                                                            [bucket.row_lengths[i] for i in index],
                                                            [bucket.block_offsets[i] for i in index]))

@@ -649,7 +649,7 @@ def tensor_table(params: List[Tensor], grads: List[Tensor], sizes: List[int], of
     host = torch.tensor(rows, dtype=torch.int64).view(-1, len(TABLE_COLUMNS))
     table = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
     table.aligned = aligned
-    table.rows = any(r[6] % BLOCK != 0 and r[6] != r[2] for r in rows)
+    table.rows = any(_encodings.has_short_blocks(r[2], r[6]) for r in rows)
     return table
 
 
