@@ -37,7 +37,7 @@ def main():
     ps = _make_params(dict(numel=n, tensors=a.tensors), torch.float16, "cpu", 0)
     opt = halfadam.AdamW(ps, lr=1e-3, weight_decay=0.01, implementation="fused")
     opt.step()
-    b = opt._group_layout(opt.param_groups[0]).buckets[0]
+    b = opt._states.group_layout(opt.param_groups[0]).buckets[0]
     grads = [p.grad for p in ps]
     f64 = dict(dtype=torch.float64)
     kernel = executions._get_compiled(("profile",))

@@ -121,7 +121,7 @@ def test_params_without_grads_fall_back(impl, monkeypatch):
 @pytest.mark.parametrize("impl", FLAT_IMPLS)
 def test_state_entries_are_views_of_flat_buffers(impl):
     params, opt = _run(halfadam.AdamW, torch.float16, impl, steps=2)
-    layout = opt._group_layout(opt.param_groups[0])
+    layout = opt._states.group_layout(opt.param_groups[0])
     (bucket,) = layout.buckets
     # group 0 is laid out in order_params order (reversed)
     assert [id(p) for p in bucket.params] == [id(p) for p in reversed(params[:4])]
@@ -150,7 +150,7 @@ def test_torch_load_state_dict_rebuilds_views():
     for p, q, r in zip(clone, params, ref_params):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
-    bucket = opt2._group_layout(opt2.param_groups[0]).buckets[0]
+    bucket = opt2._states.group_layout(opt2.param_groups[0]).buckets[0]
     assert bucket.is_attached(opt2.state[bucket.params[0]], 0)
 
 
@@ -395,5 +395,5 @@ def test_deepcopy_keeps_implementation_and_rebuilds_views():
     clone.step()
     for p, q in zip([p for g in opt.param_groups for p in g["params"]], cparams):
         assert torch.equal(opt.state[p]["master_weight"], clone.state[q]["master_weight"])
-    bucket = clone._group_layout(clone.param_groups[0]).buckets[0]
+    bucket = clone._states.group_layout(clone.param_groups[0]).buckets[0]
     assert bucket.is_attached(clone.state[bucket.params[0]], 0)

@@ -276,7 +276,7 @@ def test_clip_grad_norm_of_large_finite_gradients_does_not_overflow():
 def test_unscale_fallback_matches_torch_fused_op(monkeypatch, dtype, scale):
     """Without torch's ``_amp_foreach_non_finite_check_and_unscale_`` the plain-op path gives the same
     values (unscaled in float32, rounded once) and the same flag (read before unscaling)."""
-    from halfadam.scaler import _unscale_and_check_
+    from halfadam.handover import unscale_and_check_ as _unscale_and_check_
 
     torch.manual_seed(0)
     big = torch.finfo(dtype).max / 1.5  # finite, but not once divided by 0.5

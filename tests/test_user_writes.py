@@ -375,7 +375,7 @@ def test_frozen_parameters_do_not_slow_or_cost_the_others(impl, monkeypatch):
         opt.step()
     assert calls == [2, 2, 2]
     assert all(not opt.state[p] for layer in layers[::2] for p in layer.parameters())
-    layout = opt._group_layout(opt.param_groups[0])
+    layout = opt._states.group_layout(opt.param_groups[0])
     assert sum(b.numel for b in layout.buckets) == sum(p.numel() for p in trained)
 
 

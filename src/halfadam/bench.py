@@ -39,13 +39,13 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from halfadam.cli.args import nonnegative_int, positive_int, resolve_device
 from halfadam.cli.errors import CLIError
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
-from halfadam.cli.train import _nonnegative_int, _positive_int, _resolve_device
 from halfadam.encodings import BLOCK, PRESETS
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
@@ -187,8 +187,6 @@ def measure(args) -> List[Dict[str, Any]]:
     A configuration whose optimizer cannot be built or whose step raises gives a row with ``failed``
     (:func:`_failure`) and no timings; it is not stepped again, and the others go on.
     """
-    import halfadam
-
     peers = [PEERS[name] for name in getattr(args, "peer_names", [])]
     on_cpu = args.device == "cpu"
     _host_seconds.clear()
@@ -202,74 +200,11 @@ def measure(args) -> List[Dict[str, Any]]:
         note = _describe_case(case)
         if note is not None:
             print(f"halfadam bench: {note}", file=sys.stderr)
-        configs: List[list] = []  # [label dict, optimizer or None, failure or None]
-
-        def add(label, dtype, build):
-            try:
-                configs.append([label, build(_make_params(case, dtype, args.device, 0)),
-                                None])
-            except Exception as exc:
-                configs.append([label, None, _failure(exc)])
-
-        for variant, kw in TORCH_VARIANTS.items():
-            add(dict(impl=f"torch {variant}", dtype="fp32"), torch.float32,
-                lambda params, kw=kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw))
-        if "bf16" in args.dtypes:  # torch's fused step on bf16 parameters: bf16 state, no master (lossy, 14 B moved)
-            add(dict(impl="torch fused", dtype="bf16"), torch.bfloat16,
-                lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True))
-        for dname in args.dtypes:
-            for impl in args.impls:
-                for mode in args.state_modes:
-                    if impl in ("cpp", "triton") and on_cpu != (impl == "cpp"):
-                        continue  # said once above
-                    add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
-                        lambda params, impl=impl, mode=mode: halfadam.AdamW(
-                            params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))
-        for peer in peers:
-            dname = next(k for k, v in DTYPES.items() if v == peer.param_dtype)
-            add(dict(impl=peer.label, dtype=dname), peer.param_dtype,
-                lambda params, peer=peer: peer.build(params, lr=1e-3, weight_decay=0.01))
-        times: Dict[int, List[float]] = {i: [] for i in range(len(configs))}
-        first: Dict[int, float] = {}
-        for r in range(args.warmup + args.repeat):
-            for i, config in enumerate(configs):
-                if config[2] is not None:
-                    continue
-                try:
-                    dt = _time_step(config[1], args.device)
-                except Exception as exc:
-                    config[1:] = [None, _failure(exc)]  # its tensors go; the other configurations carry on
-                    continue
-                if r == 0:
-                    first[i] = dt
-                if r >= args.warmup:
-                    times[i].append(dt)
-        torch_fused = None
-        for i, (label, opt, failed) in enumerate(configs):
-            row = dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
-                       threads=torch.get_num_threads(), **label)
-            if failed is not None:
-                rows.append(dict(row, failed=failed))
-                continue
-            t = statistics.median(times[i])
-            if label["impl"] == "torch fused" and label["dtype"] == "fp32":
-                torch_fused = t
-            rows.append(dict(row, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
-                             gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
-                             first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
-                             host_us=statistics.median(_host_seconds.pop(id(opt))[args.warmup:]) * 1e6,
-                             state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
-        here = [r for r in rows if r["case"] == case["name"] and "failed" not in r]
-        for row in here:
-            row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused if torch_fused else None
-        ref = {(r["dtype"], r["state"]): r["ms"] for r in here if r["impl"] == "halfadam reference"}
-        fp32_state = {(r["dtype"], r["impl"]): r["ms"] for r in here if r.get("state") == "fp32"}
-        for row in here:
-            key = (row["dtype"], row.get("state"))
-            if key in ref and row["impl"].startswith("halfadam"):
-                row["speedup_vs_reference"] = ref[key] / row["ms"]
-            if (row["dtype"], row["impl"]) in fp32_state and row["impl"].startswith("halfadam"):
-                row["vs_fp32_state"] = row["ms"] / fp32_state[(row["dtype"], row["impl"])]
+        configs = _configs(case, args, peers)
+        times, first = _time_configs(configs, args)
+        case_rows, torch_fused = _case_rows(case, configs, times, first, args)
+        rows += case_rows
+        _add_ratios([r for r in rows if r["case"] == case["name"] and "failed" not in r], torch_fused)
         del configs
         gc.collect()
         if not args.json:
@@ -277,6 +212,101 @@ def measure(args) -> List[Dict[str, Any]]:
             if case["name"] == OVERHEAD_CASE:
                 print(_overhead([r for r in rows if r["case"] == case["name"]]), flush=True)
     return rows
+
+
+def _configs(case: Dict[str, Any], args, peers: list) -> List[list]:
+    """The case's configurations, each ``[label dict, optimizer or None, failure or None]``: torch's AdamW
+    variants, halfadam's per dtype, implementation and state mode, and the ``peers``; a configuration whose
+    parameters or optimizer cannot be built is there with its failure (:func:`_failure`)."""
+    import halfadam
+
+    on_cpu = args.device == "cpu"
+    configs: List[list] = []  # [label dict, optimizer or None, failure or None]
+
+    def add(label, dtype, build):
+        try:
+            configs.append([label, build(_make_params(case, dtype, args.device, 0)), None])
+        except Exception as exc:
+            configs.append([label, None, _failure(exc)])
+
+    for variant, kw in TORCH_VARIANTS.items():
+        add(dict(impl=f"torch {variant}", dtype="fp32"), torch.float32,
+            lambda params, kw=kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw))
+    if "bf16" in args.dtypes:  # torch's fused step on bf16 parameters: bf16 state, no master (lossy, 14 B moved)
+        add(dict(impl="torch fused", dtype="bf16"), torch.bfloat16,
+            lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True))
+    for dname in args.dtypes:
+        for impl in args.impls:
+            for mode in args.state_modes:
+                if impl in ("cpp", "triton") and on_cpu != (impl == "cpp"):
+                    continue  # said once, in measure()
+                add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
+                    lambda params, impl=impl, mode=mode: halfadam.AdamW(
+                        params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))
+    for peer in peers:
+        dname = next(k for k, v in DTYPES.items() if v == peer.param_dtype)
+        add(dict(impl=peer.label, dtype=dname), peer.param_dtype,
+            lambda params, peer=peer: peer.build(params, lr=1e-3, weight_decay=0.01))
+    return configs
+
+
+def _time_configs(configs: List[list], args) -> Tuple[Dict[int, List[float]], Dict[int, float]]:
+    """Step the configurations round-robin, ``args.warmup`` untimed rounds and then ``args.repeat`` timed
+    ones; returns the timed seconds and the first step's, by configuration index. A configuration whose
+    step raises gets its failure (its optimizer dropped) and is not stepped again."""
+    times: Dict[int, List[float]] = {i: [] for i in range(len(configs))}
+    first: Dict[int, float] = {}
+    for r in range(args.warmup + args.repeat):
+        for i, config in enumerate(configs):
+            if config[2] is not None:
+                continue
+            try:
+                dt = _time_step(config[1], args.device)
+            except Exception as exc:
+                config[1:] = [None, _failure(exc)]  # its tensors go; the other configurations carry on
+                continue
+            if r == 0:
+                first[i] = dt
+            if r >= args.warmup:
+                times[i].append(dt)
+    return times, first
+
+
+def _case_rows(case: Dict[str, Any], configs: List[list], times: Dict[int, List[float]], first: Dict[int, float],
+               args) -> Tuple[List[Dict[str, Any]], Optional[float]]:
+    """One row per configuration of ``case`` (its median step time and what follows from it, or its failure),
+    and the median seconds of ``torch.optim.AdamW(fused=True)`` on fp32 (``None`` if it failed)."""
+    rows, torch_fused = [], None
+    for i, (label, opt, failed) in enumerate(configs):
+        row = dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
+                   threads=torch.get_num_threads(), **label)
+        if failed is not None:
+            rows.append(dict(row, failed=failed))
+            continue
+        t = statistics.median(times[i])
+        if label["impl"] == "torch fused" and label["dtype"] == "fp32":
+            torch_fused = t
+        rows.append(dict(row, ms=t * 1e3, ns_per_param=t / case["numel"] * 1e9,
+                         gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
+                         first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
+                         host_us=statistics.median(_host_seconds.pop(id(opt))[args.warmup:]) * 1e6,
+                         state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
+    return rows, torch_fused
+
+
+def _add_ratios(here: List[Dict[str, Any]], torch_fused: Optional[float]) -> None:
+    """Add to the timed rows of a case their ratios: to torch's fused fp32 step (``torch_fused`` seconds), and
+    for halfadam's, the reference implementation's time over theirs and their time over the fp32 state's."""
+    for row in here:
+        row["vs_torch_fused"] = row["ms"] / 1e3 / torch_fused if torch_fused else None
+    ref = {(r["dtype"], r["state"]): r["ms"] for r in here if r["impl"] == "halfadam reference"}
+    fp32_state = {(r["dtype"], r["impl"]): r["ms"] for r in here if r.get("state") == "fp32"}
+    for row in here:
+        key = (row["dtype"], row.get("state"))
+        if key in ref and row["impl"].startswith("halfadam"):
+            row["speedup_vs_reference"] = ref[key] / row["ms"]
+        if (row["dtype"], row["impl"]) in fp32_state and row["impl"].startswith("halfadam"):
+            row["vs_fp32_state"] = row["ms"] / fp32_state[(row["dtype"], row["impl"])]
 
 
 def _overhead(rows: List[Dict[str, Any]]) -> str:
@@ -342,7 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     parser.add_argument("--sizes", type=_sizes, default=[1_000_000, 20_000_000],
                         help="comma-separated parameter counts (default 1e6,2e7), split into --tensors tensors")
-    parser.add_argument("--tensors", type=_positive_int, default=50, help="tensors per size case (default 50)")
+    parser.add_argument("--tensors", type=positive_int, default=50, help="tensors per size case (default 50)")
     parser.add_argument("--large", action="store_true", help="also 100M parameters (needs ~10 GB)")
     parser.add_argument("--gpt", action="store_true",
                         help="also the parameter list of a 1.3B-parameter GPT (292 tensors of its real shapes; "
@@ -362,11 +392,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=["fp32", "compact"],
                         help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "
                              "(default fp32,compact); 'x fp32 state' is each row's time over the fp32-state one")
-    parser.add_argument("--warmup", type=_nonnegative_int, default=2,
+    parser.add_argument("--warmup", type=nonnegative_int, default=2,
                         help="untimed rounds (default 2; the first compiles)")
-    parser.add_argument("--repeat", type=_positive_int, default=7,
+    parser.add_argument("--repeat", type=positive_int, default=7,
                         help="timed rounds (default 7); the median is reported")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch.set_num_threads for the run (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
     parser.add_argument("--peers", action="store_true",
@@ -391,7 +421,7 @@ def run(args) -> int:
     Raises :class:`~halfadam.cli.CLIError` (one line, exit status 2 under :func:`halfadam.cli.main`)
     for options argparse cannot check, before anything is timed.
     """
-    args.device = str(_resolve_device(args.device))
+    args.device = str(resolve_device(args.device))
     for option, what, names, known in (("--dtypes", "dtype", args.dtypes, DTYPES),
                                        ("--impls", "implementation", args.impls, IMPLS),
                                        ("--state-modes", "state mode", args.state_modes, STATE_MODES)):

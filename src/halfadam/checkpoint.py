@@ -145,8 +145,8 @@ def load_master_state_dict(
             group = group_of.get(id(target))
             if group is None:
                 continue
-            if optimizer._use_master(target, group) or optimizer.state.get(target):  # type: ignore[union-attr]
-                state = optimizer._init_state(target, group)  # type: ignore[union-attr]
+            if optimizer._states.use_master(target, group) or optimizer.state.get(target):  # type: ignore[union-attr]
+                state = optimizer._states.init(target, group)  # type: ignore[union-attr]
                 encodings.set_master_(target, state, value)  # an fp32 or a split master (its remainder)
 
 

@@ -71,9 +71,9 @@ __all__ = [
     "init_from_env",
 ]
 
-#: ``GradScaler(process_group=AUTO)``: agree on overflow over the default process group whenever
-#: ``torch.distributed`` is initialized with more than one rank.
 AUTO = "auto"
+"""``GradScaler(process_group=AUTO)``: agree on overflow over the default process group whenever
+``torch.distributed`` is initialized with more than one rank."""
 
 def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
     """The halfadam optimizer behind ``optimizer``, or ``None``.
@@ -224,7 +224,7 @@ def init_state(optimizer: Any) -> None:
         raise TypeError(f"not a halfadam optimizer: {type(optimizer).__name__}")
     for group in opt.param_groups:
         for p in group["params"]:
-            opt._init_state(p, group)
+            opt._states.init(p, group)
 
 
 def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options: Any = None,
@@ -492,16 +492,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
                                           if not optimizer.state.get(p)]
     backup = None
     try:
-        staged: Dict[str, Any] = {}
-        if model is not None:
-            live = dcp_sd.get_model_state_dict(model, options=options)
-            staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
-        if optimizer is not None and halfadam_optimizer(optimizer) is optimizer:
-            staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, keys, key, staging=True)
-        elif optimizer is not None:  # a torch.optim optimizer: its own layout, cloned
-            staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
-        if EXTRA_KEY in keys:
-            staged[EXTRA_KEY] = io.BytesIO()
+        staged, live = _staging(model, optimizer, options, checkpoint_id, keys, key, model_key)
         if staged:
             with _checkpoint_errors(where, unchecked=reader.manifest is None), _quiet_dcp():
                 dcp.load(staged, storage_reader=reader)
@@ -523,6 +514,27 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
             optimizer.state.pop(p, None)
         raise
     return extra
+
+
+def _staging(model: Optional[torch.nn.Module], optimizer: Any, options: Any, checkpoint_id: Any, keys: Any, key: str,
+             model_key: str) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """``(staged, live)`` for :func:`load_checkpoint`: new tensors for DCP to load into, laid out as
+    the model's and the optimizer's state (halfadam's in the checkpoint's layout, a torch.optim one
+    in its own), a buffer for the extra data; ``live``: the model's current state dict (or ``None``)."""
+    from torch.distributed.checkpoint import state_dict as dcp_sd
+
+    staged: Dict[str, Any] = {}
+    live = None
+    if model is not None:
+        live = dcp_sd.get_model_state_dict(model, options=options)
+        staged[model_key] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in live.items()}
+    if optimizer is not None and halfadam_optimizer(optimizer) is optimizer:
+        staged[key] = _checkpoint_layout(model, optimizer, options, checkpoint_id, keys, key, staging=True)
+    elif optimizer is not None:  # a torch.optim optimizer: its own layout, cloned
+        staged[key] = _cloned(dcp_sd.get_optimizer_state_dict(model, optimizer, options=options))
+    if EXTRA_KEY in keys:
+        staged[EXTRA_KEY] = io.BytesIO()
+    return staged, live
 
 
 def verify_checkpoint(checkpoint_id: Any) -> None:

@@ -52,7 +52,7 @@ The encodings:
   a zero of the other sign) or the written value is +-0, nan or +-inf, the parameter's value is
   taken (the master-sync rule of :mod:`halfadam.functional`). :func:`set_master_`
   (``load_master_state_dict``) and checkpoint loads set exact masters. A dtype change keeps the
-  master where the conversion kept the parameter's value (``AdamW._conform_state``):
+  master where the conversion kept the parameter's value (:meth:`halfadam.state.ParamStates.conform`):
   ``model.float()`` makes each parameter its master, bit for bit; fp16 -> bf16 restarts it from the
   parameter (the remainder was over the fp16 value).
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):

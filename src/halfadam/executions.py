@@ -41,14 +41,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .buckets import Bucket
+from ._dtensor import is_dtensor
+from .buckets import Bucket, bucket_key
 from . import encodings
 from .kernels import cpp as cpu_kernel
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "capturable_step", "shard_step",
-           "compile_available"]
+           "check_capturable", "check_implementation", "compile_available"]
 
 #: Accepted values of the optimizers' ``implementation`` argument.
 IMPLEMENTATIONS = ("auto", "triton", "cpp", "fused", "foreach", "reference")
@@ -459,6 +460,42 @@ def _triton():
     """:mod:`halfadam.kernels.triton`, imported on first use (it imports triton)."""
     from .kernels import triton as triton_kernel
     return triton_kernel
+
+
+def check_implementation(implementation: str, capturable: bool) -> None:
+    """The optimizer's ``implementation`` and ``capturable`` arguments: ValueError for an
+    implementation not in :data:`IMPLEMENTATIONS`, or ``capturable=True`` with one that does not run
+    the Triton kernel; TypeError for a ``capturable`` that is not a bool."""
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(capturable, bool):
+        raise TypeError(f"capturable must be True or False, got {capturable!r}")
+    if capturable and implementation not in ("auto", "triton"):
+        raise ValueError(f"capturable=True runs the Triton kernel (implementation='auto' or 'triton'), "
+                         f"not implementation={implementation!r}")
+
+def check_capturable(pairs: List[Tuple[Tensor, Tensor]], params: List[Tensor], where: str,
+                     use_master: Callable[[Tensor], bool]) -> None:
+    """ValueError for a parameter a capturable step cannot take: one on a device the Triton kernel
+    does not run on (the CPU, unless under Triton's interpreter), or one outside the buckets
+    (float64, a DTensor, a half parameter without master weights, a frozen one), which runs the
+    reference path, which reads its step count on the host. ``params``: the group's parameters (to name
+    one as ``where['params'][k]``); ``use_master(p)``: whether ``p`` has master weights."""
+    for device in {p.device for p, _ in pairs}:
+        reason = triton_unavailable(device)
+        if reason is not None:
+            k = next(i for i, q in enumerate(params) if q.device == device)
+            raise ValueError(
+                f"capturable=True cannot step {where}['params'][{k}], a {device.type} tensor: a capturable step "
+                f"runs the Triton kernel, which needs CUDA tensors ({reason}). Use capturable=True with the "
+                f"model on a CUDA device; elsewhere leave it False (the default)")
+    for p, _ in pairs:
+        if bucket_key(p, use_master(p)) is None:
+            k = next(i for i, q in enumerate(params) if q is p)
+            raise ValueError(
+                f"{where}['params'][{k}] ({p.dtype}{', a DTensor' if is_dtensor(p) else ''}) takes the "
+                f"per-parameter reference path, which reads its step count on the host: capturable=True "
+                f"steps float32 parameters and float16/bfloat16 ones with master weights")
 
 
 def triton_unavailable(device: torch.device) -> Optional[str]:

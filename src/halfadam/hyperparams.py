@@ -27,11 +27,13 @@ import math
 import numbers
 import struct
 from collections.abc import Mapping, Sized
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 
-__all__ = ["PerStepValues", "parse_lr", "parse_weight_decay", "parse_betas", "parse_eps", "value_at", "check_value"]
+__all__ = ["PerStepValues", "parse_lr", "parse_weight_decay", "parse_betas", "parse_eps", "value_at", "check_value",
+           "resolve", "peek", "lr_argument"]
 
 Schedule = Callable[[int], float]
 
@@ -207,3 +209,35 @@ def _call_schedule(schedule: Schedule, step: int, where: str) -> float:
     if not _is_number(value):
         raise TypeError(f"{where} schedule returned {type(value).__name__} at step {step}, expected a number")
     return float(value)
+
+
+def lr_argument(lr: Any, learning_rate: Any) -> Tuple[Any, str]:
+    """``(value, name)`` of the learning rate given as ``lr`` or as mindformers' ``learning_rate``
+    (the default 1e-3 where neither is); TypeError when both are."""
+    if learning_rate is not None:
+        if lr is not None:
+            raise TypeError("pass the learning rate as either lr or learning_rate, not both")
+        return learning_rate, "learning_rate"
+    return (1e-3 if lr is None else lr), "lr"
+
+
+def peek(group: Dict[str, Any], key: str, step: int) -> Optional[float]:
+    """The scheduled value of ``key`` at ``step``, or ``None`` if the schedule fails there."""
+    try:
+        return value_at(group[f"{key}_schedule"], step, key)
+    except Exception:
+        return None
+
+
+def resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
+    """The group's value of ``key`` at global step ``step`` (its schedule's, or the fixed value), validated."""
+    schedule = group.get(f"{key}_schedule")
+    if schedule is not None:
+        return value_at(schedule, step, f"{where}['{key}']")
+    value = group[key]  # a number, or a tensor set by the user or a torch lr_scheduler
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}['{key}'] must be a number (or a 1-element tensor), got "
+                        f"{type(value).__name__}: {value!r}")
+    return check_value(value, f"{where}['{key}']")

@@ -1,14 +1,16 @@
 """AdamW, Adam and AdamFP16 with fp32 master weights for float16/bfloat16 parameters.
 
-One engine (:class:`_AdamBase`) holds the parameter groups and the state and hands each group to an
-execution (:mod:`halfadam.executions`), which runs the single statement of the update math
-(:func:`halfadam.functional.adam_update_`). The public classes only choose defaults and how weight
-decay enters.
+One engine (:class:`_AdamBase`) reads as torch's ``optim/adamw.py``: arguments (validated by
+:mod:`halfadam.hyperparams` and :mod:`halfadam.param_groups`), groups, ``step`` and state dicts
+(:mod:`halfadam.state_dict`). Each step checks everything first (:meth:`_AdamBase._plan`), then hands
+each group to an execution (:mod:`halfadam.executions`), which runs the single statement of the
+update math (:func:`halfadam.functional.adam_update_`). How each parameter's state is laid out, made
+and kept fitting the parameter is the layer below, :mod:`halfadam.state`. The public classes only
+choose defaults and how weight decay enters.
 """
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -16,16 +18,15 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import hyperparams
+from . import encodings, hyperparams
 from . import state_dict as _state_dict
-from . import encodings
-from ._dtensor import flat_offset, is_dtensor, like_param, local, localize, row_sharded
-from .buckets import Bucket, bucket_key, build_buckets
-from .executions import (IMPLEMENTATIONS, Hyperparameters, capturable_step, flat_step, reference_step, shard_step,
-                         triton_unavailable)
-from .functional import DECAY_MODES, sync_master_
-from .param_groups import (STATE_FORMAT_KEYS, check_disjoint, check_grad, check_group_keys, check_order_params,
-                           check_pairs, check_param, check_torch_flags, is_named, raise_foreign_key, split_params)
+from ._dtensor import flat_offset, is_dtensor, localize
+from .executions import (Hyperparameters, capturable_step, check_capturable, check_implementation, flat_step,
+                         reference_step, shard_step)
+from .functional import DECAY_MODES
+from .param_groups import (check_disjoint, check_grad, check_order_params, check_pairs, check_torch_flags,
+                           normalize_group,                            raise_foreign_key, split_params)
+from .state import ParamStates, check_row_shards
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
 
@@ -69,29 +70,16 @@ class _AdamBase(torch.optim.Optimizer):
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         capturable: bool = False,
     ):
-        if learning_rate is not None:
-            if lr is not None:
-                raise TypeError("pass the learning rate as either lr or learning_rate, not both")
-            lr, lr_name = learning_rate, "learning_rate"
-        else:
-            lr, lr_name = (1e-3 if lr is None else lr), "lr"
+        lr, lr_name = hyperparams.lr_argument(lr, learning_rate)
         if decay not in DECAY_MODES:
             raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
-        if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        self.implementation = implementation
-        if not isinstance(capturable, bool):
-            raise TypeError(f"capturable must be True or False, got {capturable!r}")
-        if capturable and implementation not in ("auto", "triton"):
-            raise ValueError(f"capturable=True runs the Triton kernel (implementation='auto' or 'triton'), "
-                             f"not implementation={implementation!r}")
-        self.capturable = capturable
+        check_implementation(implementation, capturable)
+        self.implementation, self.capturable = implementation, capturable
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
-        self._layouts: Dict[int, "_GroupLayout"] = {}
-        self._dtypes: Dict[int, torch.dtype] = {}  # id(param) -> its dtype when its state was made
+        self._states = ParamStates(self)
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
-        self._override_warned = self._narrowing_warned = False
+        self._override_warned = False
         if master_weights is not None and not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
 
@@ -111,21 +99,12 @@ class _AdamBase(torch.optim.Optimizer):
         groups, order_params = split_params(params)
         # Validate every group before anything is built; add_param_group validates again (cheaply)
         # because it is also the public way to add a group later.
-        groups = [self._normalize_group(g, f"param_groups[{i}]") for i, g in enumerate(groups)]
+        groups = [normalize_group(g, self.state_format, f"param_groups[{i}]") for i, g in enumerate(groups)]
         check_disjoint(groups)
         if not any(g["params"] for g in groups):
             raise ValueError("params holds no parameter: every parameter group is empty")
         check_order_params(order_params, groups)
-        if encodings.block_keys(self.state_format, True):
-            for gi, g in enumerate(groups):
-                for j, p in enumerate(g["params"]):
-                    if not row_sharded(p) and encodings.block_keys(
-                            encodings.for_param(self.state_format, p, True), True):
-                        raise ValueError(
-                            f"param_groups[{gi}]['params'][{j}] is a DTensor whose local shard is not a run of whole "
-                            f"rows (placements {p.placements}); the state format {self.state_format.describe()} "
-                            f"keeps per-block state, which is sharded by rows: shard dim 0 (FSDP2's default "
-                            f"Shard(0)), or use state_mode='fp32' or bfloat16 moments without split masters")
+        check_row_shards(groups, self.state_format)
         if order_params is not None:
             rank = {id(p): i for i, p in enumerate(order_params)}
             for g in groups:
@@ -147,66 +126,11 @@ class _AdamBase(torch.optim.Optimizer):
         self.capturable = state.pop("capturable", False)
         self.state_format = state.pop("state_format", encodings.StateFormat())
         self._order_params = state.pop("_order_params", None)
-        self._layouts = {}  # rebuilt from the state on the next step (values are copied in)
-        self._dtypes = {}
-        self._written, self._override_warned, self._narrowing_warned = {}, False, False
+        self._states = ParamStates(self)  # its buckets are rebuilt from the state on the next step
+        self._written, self._override_warned = {}, False
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ groups
-    def _normalize_group(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
-        """Validate one parameter group and turn its hyperparameters into their stored form.
-
-        Raises TypeError/ValueError naming the group and key (see the class docstring); nothing is
-        built before every group has passed.
-        """
-        group = dict(group)
-        if "learning_rate" in group:
-            if "lr" in group:
-                raise TypeError(f"{where} gives both 'lr' and 'learning_rate'")
-            group["lr"] = group.pop("learning_rate")
-        if "params" not in group:
-            raise ValueError(f"{where} has no 'params' key")
-        # The state format is the optimizer's; a group may repeat it (ZeroRedundancyOptimizer copies
-        # the constructor's keyword arguments into every group) but not change it.
-        format_keys = {k: group.pop(k) for k in STATE_FORMAT_KEYS if k in group}
-        if format_keys:
-            try:
-                fmt = encodings.state_format(**format_keys)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{where}: {exc}") from None
-            if fmt != self.state_format:
-                raise ValueError(f"{where} asks for the state format {fmt.describe()}, this optimizer has "
-                                 f"{self.state_format.describe()}: the state format is per optimizer, not per group")
-        check_group_keys(group, where)
-        params = group["params"]
-        if isinstance(params, Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError(f"{where}['params'] must be an ordered collection of tensors, not a set")
-        else:
-            params = list(params)
-        named = [is_named(p) for p in params]
-        if any(named):
-            if not all(named):
-                raise ValueError(f"{where}['params'] mixes (name, parameter) pairs and bare parameters")
-            group["param_names"] = [name for name, _ in params]
-            params = [p for _, p in params]
-        for j, p in enumerate(params):
-            check_param(p, f"{where}['params'][{j}]")
-        group["params"] = params
-        # A group that already holds "<key>_schedule" is in stored form (normalized before).
-        if "lr" in group and "lr_schedule" not in group:
-            group["lr"], group["lr_schedule"] = hyperparams.parse_lr(group["lr"], f"{where}['lr']")
-        if "weight_decay" in group and "weight_decay_schedule" not in group:
-            group["weight_decay"], group["weight_decay_schedule"] = hyperparams.parse_weight_decay(
-                group["weight_decay"], f"{where}['weight_decay']"
-            )
-        if "betas" in group:
-            group["betas"] = hyperparams.parse_betas(group["betas"], f"{where}['betas']")
-        if "eps" in group:
-            group["eps"] = hyperparams.parse_eps(group["eps"], f"{where}['eps']")
-        return group
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group (validated first; on error nothing is added).
 
@@ -215,13 +139,13 @@ class _AdamBase(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = self._normalize_group(param_group, f"param_groups[{len(self.param_groups)}]")
+        group = normalize_group(param_group, self.state_format, f"param_groups[{len(self.param_groups)}]")
         check_disjoint(self.param_groups + [group])
         group.setdefault("global_step", max((g["global_step"] for g in self.param_groups), default=0))
         where = f"param_groups[{len(self.param_groups)}]"
         for key in ("lr", "weight_decay"):  # show the coming step's value, as every group does
             if group.get(f"{key}_schedule") is not None:
-                group[key] = _resolve(group, key, where, group["global_step"])
+                group[key] = hyperparams.resolve(group, key, where, group["global_step"])
         super().add_param_group(group)
         if self._order_params is not None and len(self.param_groups) > 1:
             known = {id(p) for p in self._order_params}
@@ -233,293 +157,7 @@ class _AdamBase(torch.optim.Optimizer):
             return list(self._order_params)
         return [p for g in self.param_groups for p in g["params"]]
 
-    # ------------------------------------------------------------------ state
-    def _use_master(self, param: Tensor, group: Dict[str, Any]) -> bool:
-        use_master = group["master_weights"]
-        return param.dtype in _HALF_DTYPES if use_master is None else use_master
-
-    def _format(self, param: Tensor, group: Dict[str, Any]) -> encodings.StateFormat:
-        """The state format of ``param`` (the optimizer's, less what does not apply to it)."""
-        return encodings.for_param(self.state_format, param, self._use_master(param, group))
-
-    def _state_fits(self, param: Tensor, state: dict, group: Dict[str, Any]) -> bool:
-        """Whether ``state`` was made for ``param`` as it is now (dtype, device, master setting, format)."""
-        ea = state.get("exp_avg")
-        if ea is None or ea.device != param.device or self._dtypes.get(id(param), param.dtype) != param.dtype:
-            return False
-        expected = self._state_dtypes(param, group)
-        present = [k for k in encodings.ELEMENT_KEYS if k in state]
-        return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
-
-    def _state_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
-        """The per-element state keys ``param`` has in this optimizer, and their dtypes."""
-        use_master = self._use_master(param, group)
-        if param.dtype == torch.float64:
-            return dict.fromkeys(("master_weight",) * use_master + ("exp_avg", "exp_avg_sq"), torch.float64)
-        return encodings.element_keys(self._format(param, group), use_master)
-
-    @torch.no_grad()
-    def _conform_state(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
-        """Give ``state`` the form it would have had if ``param`` had always had its current dtype and device.
-
-        After ``model.half()``, ``.bfloat16()``, ``.float()``, ``.to(device)`` between steps. The fp32
-        master trajectory does not depend on the parameter's dtype, so a master is kept (moved) and
-        the elements the user left alone follow it: where the parameter equals its master rounded
-        to the old dtype and converted (nobody wrote it), it becomes the master rounded to the new
-        dtype (to float32 or float64: the master itself, which is then dropped: the parameter is its
-        own weight); elements written since keep their value (the master-sync rule then adopts
-        them). A parameter that gets a master and had none (float32 -> half) gets one from its
-        value. The moments are moved and kept in the compute dtype; the step count stays. New
-        tensors are made, never views into a previous bucket.
-
-        With an encoded state (:mod:`halfadam.encodings`) the same rule holds where the conversion
-        kept the parameter's old value (:func:`_converted_exactly`: to float32, bf16 -> fp16 in fp16's
-        normal range): a split master is decoded against that value, exactly, and the parameter follows
-        it (bf16 -> fp32 loses nothing). A split master is a remainder over the old value, so where the
-        conversion rounded it (fp16 -> bf16, bf16 -> fp16 below 2**-14) the master restarts from the
-        converted parameter, with a warning (once). The state is then encoded for the new form.
-
-        This runs at the optimizer's next use of the parameter (a step, ``master_weight``,
-        ``sync_master_weights``, ``state_dict``): ``model.float()`` alone does not write the masters
-        into the parameters before that.
-        """
-        old_dtype = self._dtypes.get(id(param), param.dtype)
-        if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
-            # on a DTensor's (FSDP2's) local shards, whose elements keep their positions in the whole
-            master = None
-            p = local(param).detach()
-            if old_dtype != param.dtype and encodings.has_master(state):
-                old = {k: local(v).to(p.device) for k, v in state.items() if k != "step"}
-                master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
-                                                ("master_weight",))["master_weight"]
-                # an fp32 master (a 1-D parameter) never depended on the old value
-                kept = (_converted_exactly(old_dtype, p) if "master_lo" in state
-                        else torch.ones_like(p, dtype=torch.bool))
-                unwritten = kept & (p == master.to(old_dtype).to(p.dtype))
-                p.copy_(torch.where(unwritten, master.to(p.dtype), p))
-                master = torch.where(unwritten, master, p.to(torch.float32))
-                if not self._narrowing_warned and not bool(kept.all()):
-                    self._narrowing_warned = True
-                    warnings.warn(
-                        f"a {old_dtype} parameter with a split master (state mode {self.state_format.describe()}) "
-                        f"was converted to {param.dtype}, which does not hold every {old_dtype} value: the remainders "
-                        f"were over the old values, so the masters of {int((~kept).sum())} element(s) restart from "
-                        f"the converted parameter (within half a {param.dtype} ulp of the old masters). To keep "
-                        f"exact masters across fp16 <-> bf16, use state_mode='fp32', or carry them with "
-                        f"master_state_dict / halfadam.checkpoint.load_master_state_dict", UserWarning, stacklevel=4)
-            new = encodings.convert_state({k: local(v) for k, v in state.items()}, p, self._format(param, group),
-                                          self._use_master(param, group), master, flat_offset(param))
-            new = encodings.like_param_state(new, param)
-            state.clear()
-            state.update({k: v.to(torch.float64) if param.dtype == torch.float64 and k != "step" else v
-                          for k, v in new.items()})
-            self._dtypes[id(param)] = param.dtype
-            return
-        compute = _compute_dtype(param)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = state[key].to(device=param.device, dtype=compute, copy=True)
-        master = state.pop("master_weight", None)
-        if master is not None:
-            master = master.to(device=param.device, dtype=compute, copy=True)
-            if old_dtype != param.dtype:
-                p, m = local(param), local(master)
-                unwritten = p == m.to(old_dtype).to(p.dtype)
-                p.copy_(torch.where(unwritten, m.to(p.dtype), p))
-        if self._use_master(param, group):
-            state["master_weight"] = master if master is not None else param.detach().to(compute, copy=True)
-        self._dtypes[id(param)] = param.dtype
-
-    def _stale_shape(self, param: Tensor) -> Optional[Tuple[int, ...]]:
-        """The shape ``param``'s state was made for, when it is not ``param``'s own (it was resized
-        since: ``p.data = torch.randn(...)`` of a new size between steps); else ``None``."""
-        state = self.state.get(param)
-        exp_avg = state.get("exp_avg") if state else None
-        return None if exp_avg is None or exp_avg.shape == param.shape else tuple(exp_avg.shape)
-
-    def _check_state_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
-        """ValueError when ``param``'s state was made for another shape (:meth:`_stale_shape`): it does
-        not fit the parameter, and no rule makes it fit."""
-        made = self._stale_shape(param)
-        if made is None:
-            return
-        if where is None:
-            where = f"param_groups[{next(i for i, g in enumerate(self.param_groups) if g is group)}]"
-        k = next(i for i, q in enumerate(group["params"]) if q is param)
-        raise ValueError(
-            f"{where}['params'][{k}] has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, "
-            f"master) was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
-            f"fresh state for it (step 0, zero moments, the master from its new value), remove its state first: "
-            f"del optimizer.state[p]; or give it back its shape {made}")
-
-    def _check_state_shapes(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], where: str) -> None:
-        """:meth:`_check_state_shape` for a step's ``pairs``, cheaply: a bucketed parameter of its
-        bucket's shape has state of that shape (the bucket's views). A bucketed parameter whose shape
-        changed and passes (its state was deleted) drops the group's layout, to be rebuilt around it."""
-        layout = self._layouts.get(id(group))
-        where_ = {} if layout is None else layout.where
-        for p, _ in pairs:
-            loc = where_.get(id(p))
-            if loc is None or loc[0].shapes[loc[1]] != p.shape:
-                self._check_state_shape(p, group, where)
-                if loc is not None:
-                    self._layouts.pop(id(group), None)
-
-    def _init_state(self, param: Tensor, group: Dict[str, Any]) -> dict:
-        """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device.
-
-        Raises:
-            ValueError: the state was made for another shape of ``param`` (:meth:`_check_state_shape`).
-        """
-        self._check_state_shape(param, group)
-        state = self.state[param]
-        if not state or not self._state_fits(param, state, group):
-            self._init_group_state(group, [param])
-        return state
-
-    def _init_group_state(self, group: Dict[str, Any], params: Optional[List[Tensor]] = None) -> None:
-        """Initialise the state of ``params`` (default: every parameter of ``group``) where empty.
-
-        The one place state is created. Bucketed parameters (see :mod:`halfadam.buckets`) get views
-        into their bucket's flat buffers (values already in ``state[p]`` are copied in); the others
-        get separately allocated tensors. Keys and dtypes are the same either way. State made for
-        another dtype or device of the parameter is conformed first (:meth:`_conform_state`).
-        """
-        if params is not None and not params:
-            return  # the common case in a step: every parameter already has its state
-        layout = self._group_layout(group) if self.implementation != "reference" else None
-        for param in group["params"] if params is None else params:
-            state = self.state[param]
-            if state and not self._state_fits(param, state, group):
-                self._conform_state(param, state, group)
-            loc = None if layout is None else layout.where.get(id(param))
-            if loc is not None and _moved(param, loc):
-                layout = self._group_layout(group, rebuild=True)  # converted since the layout was built
-                loc = layout.where.get(id(param))
-            if loc is not None:
-                if not state or not loc[0].is_attached(state, loc[1]):
-                    loc[0].attach(state, loc[1])
-                    self._dtypes[id(param)] = param.dtype
-                continue
-            if state:
-                continue
-            compute_dtype = _compute_dtype(param)
-            self._dtypes[id(param)] = param.dtype
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if param.dtype != torch.float64 and not self.state_format.is_fp32:
-                state.update(encodings.new_state(self._format(param, group), param, self._use_master(param, group)))
-                continue
-            if self._use_master(param, group):
-                state["master_weight"] = param.detach().to(compute_dtype, copy=True)
-            state["exp_avg"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=compute_dtype, memory_format=torch.preserve_format)
-
-    def _group_layout(self, group: Dict[str, Any], rebuild: bool = False) -> "_GroupLayout":
-        """The buckets of ``group``, (re)built when the group, its parameters or ``self.state`` changed,
-        or when ``rebuild`` (a parameter's dtype, device or ``requires_grad`` changed: see
-        :meth:`_run_group`).
-
-        On a rebuild, parameters that already have state (e.g. after ``load_state_dict`` replaced
-        ``self.state``, or after ``model.half()``) are conformed to their parameter and attached to
-        the new buffers with their values; state left outside every bucket gets its own tensors.
-        """
-        layout = self._layouts.get(id(group))
-        ids = [id(p) for p in group["params"]]  # ints: cheap to build and compare every step
-        if (not rebuild and layout is not None and layout.group is group and layout.state is self.state
-                and layout.ids == ids):
-            return layout
-        params = group["params"]
-        buckets = build_buckets(params, [self._use_master(p, group) for p in params], self.state_format,
-                                steps_on_device=self.capturable)
-        layout = _GroupLayout(group, self.state, ids, buckets)
-        self._layouts[id(group)] = layout
-        for p in params:
-            state = self.state.get(p)
-            if not state or self._stale_shape(p) is not None:  # none, or made for an old shape: its next use raises
-                continue
-            if not self._state_fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
-                self._conform_state(p, state, group)  # new tensors: nothing keeps an old bucket alive
-            loc = layout.where.get(id(p))
-            if loc is not None:
-                loc[0].attach(state, loc[1])
-                self._dtypes[id(p)] = p.dtype
-        return layout
-
-    @torch.compiler.disable
-    def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
-                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
-        """Dispatch one group's step: buckets to the flat path, everything else to the reference.
-
-        The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
-        or unused parameters leave gaps) go to one flat step when their step counts agree. Never
-        traced by an outer ``torch.compile`` (``torch.compile(opt.step)``, a compiled train step):
-        the update runs halfadam's own kernels, called through a graph break, so it is the same
-        update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
-        """
-        layout = None if self.implementation == "reference" else self._group_layout(group)
-        sorted_pairs = self._sort_pairs(group, pairs, layout)
-        if sorted_pairs is None:  # a parameter changed dtype, device or requires_grad since the layout was built
-            layout = self._group_layout(group, rebuild=True)
-            sorted_pairs = self._sort_pairs(group, pairs, layout)
-        per_bucket, rest, new = sorted_pairs
-        self._init_group_state(group, new)
-        for bucket in () if layout is None else layout.buckets:
-            items = per_bucket.get(id(bucket))
-            if not items:
-                continue
-            items.sort(key=lambda item: item[0])
-            if self.capturable:  # the step counts stay on the device: one launch whatever they are
-                capturable_step(bucket, items, hp, self.implementation, grad_scale, found_inf)
-                continue
-            # One step count: one flat step. Step counts that diverged (a parameter without a gradient
-            # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
-            # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
-            if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
-                flat_step(bucket, items, hp, self.implementation, grad_scale)
-            else:
-                counts = bucket.steps[[i for i, _ in items]].tolist()
-                for count in sorted(set(counts)):
-                    flat_step(bucket, [it for it, c in zip(items, counts) if c == count], hp, self.implementation,
-                              grad_scale)
-        if rest:
-            offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
-            local_pairs, local_state = localize(rest, self.state)
-            if self.implementation in ("auto", "triton", "cpp") and any(is_dtensor(p) for p, _ in rest):
-                # FSDP2's local shards: the C++ kernel (CPU) or the Triton one (GPU) where it runs
-                left = shard_step(local_pairs, local_state, hp, self.implementation, grad_scale,
-                                  self.state_format, offsets)
-                local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
-            if local_pairs:
-                reference_step(local_pairs, local_state, hp, grad_scale, self.state_format, offsets)
-
-    def _sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
-                    layout: Optional["_GroupLayout"]) -> Optional[tuple]:
-        """One pass over a step's ``(param, grad)`` pairs: ``(per_bucket, rest, new)``.
-
-        ``per_bucket``: id(bucket) -> ``(index in the bucket, grad)`` pairs; ``rest``: the pairs of
-        parameters outside every bucket; ``new``: the parameters whose state must be made (or
-        conformed to a new dtype/device). ``None`` when the layout no longer fits a parameter (its
-        dtype or device changed, or it was unfrozen or converted into a bucket's kind).
-        """
-        per_bucket: Dict[int, List[Tuple[int, Tensor]]] = {}
-        rest, new = [], []
-        where = {} if layout is None else layout.where
-        for p, g in pairs:
-            state = self.state[p]
-            loc = where.get(id(p))
-            if loc is None:
-                if layout is not None and bucket_key(p, self._use_master(p, group)) is not None:
-                    return None
-                rest.append((p, g))
-                if not state or not self._state_fits(p, state, group):
-                    new.append(p)
-            elif _moved(p, loc, shape=False):  # shape changes: the step's validation dropped the layout
-                return None
-            else:
-                if not state:
-                    new.append(p)
-                per_bucket.setdefault(id(loc[0]), []).append((loc[1], g))
-        return per_bucket, rest, new
-
+    # ------------------------------------------------------------------ masters
     def master_weight(self, param: Tensor) -> Tensor:
         """The fp32 tensor this optimizer updates for ``param``, in sync with the parameter.
 
@@ -536,9 +174,9 @@ class _AdamBase(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                if not param.requires_grad and not self.state.get(param) and self._use_master(param, group):
+                if not param.requires_grad and not self.state.get(param) and self._states.use_master(param, group):
                     return param.detach().to(torch.float32, copy=True)  # frozen, never stepped: no state made
-                master = self._synced_master(param, group)
+                master = self._states.synced_master(param, group)
                 if master is not None:
                     return master
                 if param.dtype in _HALF_DTYPES:
@@ -564,26 +202,7 @@ class _AdamBase(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):
-                    self._synced_master(p, group, decode=False)
-
-    @torch.no_grad()
-    def _synced_master(self, param: Tensor, group: Dict[str, Any], decode: bool = True) -> Optional[Tensor]:
-        """``param``'s master weight (state made or conformed first), synced with it; ``None`` if it has none.
-
-        A split master (:mod:`halfadam.encodings`) needs no sync (it is decoded against the parameter);
-        with ``decode`` it is decoded into a new float32 tensor, else ``None`` is returned."""
-        state = self._init_state(param, group)
-        if "master_lo" in state:  # decoded on the local shard of a DTensor (FSDP2), sharded like it
-            if not decode:
-                return None
-            lp = local(param)
-            master = encodings.decode_state(self._format(param, group), lp, {k: local(v) for k, v in state.items()},
-                                            ("master_weight",))["master_weight"]
-            return like_param(master, param)
-        master = state.get("master_weight")
-        if master is not None:
-            sync_master_(local(master), local(param))
-        return master
+                    self._states.synced_master(p, group, decode=False)
 
     # ------------------------------------------------------------------ checkpoints
     # The work is in halfadam.state_dict; these methods only delegate to it.
@@ -661,44 +280,11 @@ class _AdamBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # Everything is checked before anything changes: a failing call leaves the optimizer as it was.
-        if grads is not None and not isinstance(grads, Mapping):
-            raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
-        matched = 0  # keys of grads that are this optimizer's parameters
-        if grad_scale is not None and not (isinstance(grad_scale, Tensor) and grad_scale.numel() == 1
-                                           and grad_scale.is_floating_point()):
-            raise TypeError(f"grad_scale must be None or a 1-element floating tensor, got {grad_scale!r}")
-        if found_inf is not None and not (isinstance(found_inf, Tensor) and found_inf.numel() == 1
-                                          and found_inf.is_floating_point()):
-            raise TypeError(f"found_inf must be None or a 1-element floating tensor, got {found_inf!r}")
-        plan = []
-        for gi, group in enumerate(self.param_groups):
-            where = f"param_groups[{gi}]"
-            self._warn_if_overridden(group, where)
-            step = group["global_step"]
-            lr, weight_decay = _resolve(group, "lr", where, step), _resolve(group, "weight_decay", where, step)
-            # what group["lr"] / ["weight_decay"] show after the step: the values of the next one (a bad
-            # value there is the next step's error, not this one's)
-            after = {key: _peek(group, key, step + 1) for key in ("lr", "weight_decay")
-                     if group.get(f"{key}_schedule") is not None}
-            if grads is None:
-                pairs = [(p, p.grad) for p in group["params"]]
-            else:
-                pairs = [(p, grads[p]) for p in group["params"] if p in grads]
-                matched += len(pairs)
-            pairs = [pg for pg in pairs if pg[1] is not None]
-            check_pairs(pairs, group["params"], where)
-            self._check_state_shapes(group, pairs, where)
-            if self.capturable:
-                self._check_capturable(pairs, group, where)
-            plan.append((group, lr, weight_decay, after, pairs))
-        if grads is not None and matched != len(grads):
-            raise_foreign_key(grads, self.param_groups)
+        plan = self._plan(grads, grad_scale, found_inf)  # a call that raises here changes nothing
         if found_inf is not None and not self.capturable:
             if found_inf.item() != 0:
                 return loss
             found_inf = None
-
         for group, lr, weight_decay, after, pairs in plan:
             if pairs:
                 beta1, beta2 = group["betas"]
@@ -711,26 +297,89 @@ class _AdamBase(torch.optim.Optimizer):
             self._written[id(group)] = (group["lr"], group["weight_decay"])
         return loss
 
-    def _check_capturable(self, pairs: List[Tuple[Tensor, Tensor]], group: Dict[str, Any], where: str) -> None:
-        """ValueError for a parameter a capturable step cannot take: one on a device the Triton kernel
-        does not run on (the CPU, unless under Triton's interpreter), or one outside the buckets
-        (float64, a DTensor, a half parameter without master weights, a frozen one), which runs the
-        reference path, which reads its step count on the host."""
-        for device in {p.device for p, _ in pairs}:
-            reason = triton_unavailable(device)
-            if reason is not None:
-                k = next(i for i, q in enumerate(group["params"]) if q.device == device)
-                raise ValueError(
-                    f"capturable=True cannot step {where}['params'][{k}], a {device.type} tensor: a capturable step "
-                    f"runs the Triton kernel, which needs CUDA tensors ({reason}). Use capturable=True with the "
-                    f"model on a CUDA device; elsewhere leave it False (the default)")
-        for p, _ in pairs:
-            if bucket_key(p, self._use_master(p, group)) is None:
-                k = next(i for i, q in enumerate(group["params"]) if q is p)
-                raise ValueError(
-                    f"{where}['params'][{k}] ({p.dtype}{', a DTensor' if is_dtensor(p) else ''}) takes the "
-                    f"per-parameter reference path, which reads its step count on the host: capturable=True "
-                    f"steps float32 parameters and float16/bfloat16 ones with master weights")
+    def _plan(self, grads: Optional[Mapping], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> list:
+        """Check a step's arguments, gradients, state shapes and scheduled values, before anything
+        changes; one ``(group, lr, weight_decay, after, pairs)`` per group: the values of this step,
+        those ``group`` shows after it (``after``: the next step's scheduled values) and its
+        ``(param, grad)`` pairs. Raises the errors :meth:`step` lists."""
+        if grads is not None and not isinstance(grads, Mapping):
+            raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
+        for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            if value is not None and not (isinstance(value, Tensor) and value.numel() == 1
+                                          and value.is_floating_point()):
+                raise TypeError(f"{name} must be None or a 1-element floating tensor, got {value!r}")
+        plan, matched = [], 0  # matched: keys of grads that are this optimizer's parameters
+        for gi, group in enumerate(self.param_groups):
+            where = f"param_groups[{gi}]"
+            self._warn_if_overridden(group, where)
+            step = group["global_step"]
+            lr = hyperparams.resolve(group, "lr", where, step)
+            weight_decay = hyperparams.resolve(group, "weight_decay", where, step)
+            # what group["lr"] / ["weight_decay"] show after the step: the values of the next one (a bad
+            # value there is the next step's error, not this one's)
+            after = {key: hyperparams.peek(group, key, step + 1) for key in ("lr", "weight_decay")
+                     if group.get(f"{key}_schedule") is not None}
+            if grads is None:
+                pairs = [(p, p.grad) for p in group["params"]]
+            else:
+                pairs = [(p, grads[p]) for p in group["params"] if p in grads]
+                matched += len(pairs)
+            pairs = [pg for pg in pairs if pg[1] is not None]
+            check_pairs(pairs, group["params"], where)
+            self._states.check_shapes(group, pairs, where)
+            if self.capturable:
+                check_capturable(pairs, group["params"], where, lambda p: self._states.use_master(p, group))
+            plan.append((group, lr, weight_decay, after, pairs))
+        if grads is not None and matched != len(grads):
+            raise_foreign_key(grads, self.param_groups)
+        return plan
+
+    @torch.compiler.disable
+    def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
+                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
+        """Dispatch one group's step: buckets to the flat path, everything else to the reference.
+
+        The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
+        or unused parameters leave gaps) go to one flat step when their step counts agree. Never
+        traced by an outer ``torch.compile`` (``torch.compile(opt.step)``, a compiled train step):
+        the update runs halfadam's own kernels, called through a graph break, so it is the same
+        update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
+        """
+        layout = None if self.implementation == "reference" else self._states.group_layout(group)
+        sorted_pairs = self._states.sort_pairs(group, pairs, layout)
+        if sorted_pairs is None:  # a parameter changed dtype, device or requires_grad since the layout was built
+            layout = self._states.group_layout(group, rebuild=True)
+            sorted_pairs = self._states.sort_pairs(group, pairs, layout)
+        per_bucket, rest, new = sorted_pairs
+        self._states.init_group(group, new)
+        for bucket in () if layout is None else layout.buckets:
+            items = per_bucket.get(id(bucket))
+            if not items:
+                continue
+            items.sort(key=lambda item: item[0])
+            if self.capturable:  # the step counts stay on the device: one launch whatever they are
+                capturable_step(bucket, items, hp, self.implementation, grad_scale, found_inf)
+                continue
+            # One step count: one flat step. Step counts that diverged (a parameter without a gradient
+            # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
+            # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
+            if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
+                flat_step(bucket, items, hp, self.implementation, grad_scale)
+            else:
+                counts = bucket.steps[[i for i, _ in items]].tolist()
+                for count in sorted(set(counts)):
+                    flat_step(bucket, [it for it, c in zip(items, counts) if c == count], hp, self.implementation,
+                              grad_scale)
+        if rest:
+            offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
+            local_pairs, local_state = localize(rest, self.state)
+            if self.implementation in ("auto", "triton", "cpp") and any(is_dtensor(p) for p, _ in rest):
+                # FSDP2's local shards: the C++ kernel (CPU) or the Triton one (GPU) where it runs
+                left = shard_step(local_pairs, local_state, hp, self.implementation, grad_scale,
+                                  self.state_format, offsets)
+                local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
+            if local_pairs:
+                reference_step(local_pairs, local_state, hp, grad_scale, self.state_format, offsets)
 
     def _warn_if_overridden(self, group: Dict[str, Any], where: str) -> None:
         """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
@@ -768,57 +417,6 @@ class _AdamBase(torch.optim.Optimizer):
                 check_grad(g, p, f"gradients[{i}]")
         self.step(grads=dict(zip(order, gradients)))
         return tuple(True for _ in order)
-
-
-def _peek(group: Dict[str, Any], key: str, step: int) -> Optional[float]:
-    """The scheduled value of ``key`` at ``step``, or ``None`` if the schedule fails there."""
-    try:
-        return hyperparams.value_at(group[f"{key}_schedule"], step, key)
-    except Exception:
-        return None
-
-
-def _moved(param: Tensor, loc: Tuple[Bucket, int], shape: bool = True) -> bool:
-    """Whether ``param`` changed dtype, device or (with ``shape``) shape since it was placed in bucket
-    ``loc[0]``."""
-    bucket, i = loc
-    return (param.dtype is not bucket.dtype or param.device != bucket.device
-            or (shape and param.shape != bucket.shapes[i]))
-
-
-def _converted_exactly(old_dtype: torch.dtype, p: Tensor) -> Tensor:
-    """Where converting a parameter from ``old_dtype`` to ``p``'s dtype kept its value, read off the new
-    values ``p`` (bool, ``p``'s shape): everywhere when widening to float32/float64; bfloat16 ->
-    float16 where ``p`` is in float16's normal range (bfloat16 values there all fit float16, and
-    every other value lands below it or at inf); nowhere for float16 -> bfloat16 (3 bits fewer)."""
-    if p.dtype in (torch.float32, torch.float64) or old_dtype == p.dtype:
-        return torch.ones_like(p, dtype=torch.bool)
-    if old_dtype == torch.bfloat16 and p.dtype == torch.float16:
-        return p.isfinite() & (p.abs() >= 2.0 ** -14)
-    return torch.zeros_like(p, dtype=torch.bool)
-
-
-def _compute_dtype(param: Tensor) -> torch.dtype:
-    """The dtype of the update math and moments for ``param``: float64 for float64, else float32."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def _is_view(t: Tensor) -> bool:
-    return local(t)._base is not None
-
-
-def _resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
-    """The group's value of ``key`` at global step ``step`` (its schedule's, or the fixed value), validated."""
-    schedule = group.get(f"{key}_schedule")
-    if schedule is not None:
-        return hyperparams.value_at(schedule, step, f"{where}['{key}']")
-    value = group[key]  # a number, or a tensor set by the user or a torch lr_scheduler
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_meta:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}['{key}'] must be a number (or a 1-element tensor), got "
-                        f"{type(value).__name__}: {value!r}")
-    return hyperparams.check_value(value, f"{where}['{key}']")
 
 
 class AdamW(_AdamBase):
@@ -894,7 +492,8 @@ class AdamW(_AdamBase):
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
-    device changed gets the state it would have had from the start (see ``_conform_state``).
+    device changed gets the state it would have had from the start (see
+    :meth:`halfadam.state.ParamStates.conform`).
 
     Raises:
         TypeError: a wrong type for ``params`` or an element of it (not a floating tensor, a
@@ -1009,12 +608,3 @@ class AdamFP16(_AdamBase):
                          implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
-
-
-class _GroupLayout:
-    """A group's buckets and where each parameter sits in them (valid while group, state and the
-    parameters' identities ``ids`` stay, and each parameter is :meth:`_AdamBase._in_place`)."""
-
-    def __init__(self, group: Dict[str, Any], state: Any, ids: List[int], buckets: List[Bucket]):
-        self.group, self.state, self.ids, self.buckets = group, state, ids, buckets
-        self.where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}

@@ -13,12 +13,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import encodings, hyperparams
+from .encodings import StateFormat
 from .functional import DECAY_MODES
 from .kernels import cpp as cpu_kernel
 
 __all__ = ["STATE_FORMAT_KEYS", "TORCH_FLAGS_OFF", "check_disjoint", "check_grad", "check_group_keys",
            "check_order_params", "check_pairs", "check_param", "check_torch_flags", "check_writable", "is_named",
-           "raise_foreign_key", "split_params"]
+           "normalize_group", "raise_foreign_key", "split_params"]
 
 
 def raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
@@ -195,3 +197,61 @@ def check_order_params(order: Optional[List[Any]], groups: List[Dict[str, Any]])
         for j, p in enumerate(g["params"]):
             if id(p) not in seen:
                 raise ValueError(f"param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)}) is missing from order_params")
+
+
+def normalize_group(group: Dict[str, Any], state_format: StateFormat, where: str) -> Dict[str, Any]:
+    """Validate one parameter group and turn its hyperparameters into their stored form.
+
+    ``learning_rate`` becomes ``lr``; ``params`` a list (``param_names`` beside it for ``(name, param)``
+    pairs); ``lr``/``weight_decay`` a value and a schedule (``<key>_schedule``); the state-format keys
+    (:data:`STATE_FORMAT_KEYS`) are dropped once they are found to repeat ``state_format``, the
+    optimizer's. Raises TypeError/ValueError naming the group (``where``) and key; nothing is built
+    before every group has passed.
+    """
+    group = dict(group)
+    if "learning_rate" in group:
+        if "lr" in group:
+            raise TypeError(f"{where} gives both 'lr' and 'learning_rate'")
+        group["lr"] = group.pop("learning_rate")
+    if "params" not in group:
+        raise ValueError(f"{where} has no 'params' key")
+    # The state format is the optimizer's; a group may repeat it (ZeroRedundancyOptimizer copies
+    # the constructor's keyword arguments into every group) but not change it.
+    format_keys = {k: group.pop(k) for k in STATE_FORMAT_KEYS if k in group}
+    if format_keys:
+        try:
+            fmt = encodings.state_format(**format_keys)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        if fmt != state_format:
+            raise ValueError(f"{where} asks for the state format {fmt.describe()}, this optimizer has "
+                             f"{state_format.describe()}: the state format is per optimizer, not per group")
+    check_group_keys(group, where)
+    params = group["params"]
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError(f"{where}['params'] must be an ordered collection of tensors, not a set")
+    else:
+        params = list(params)
+    named = [is_named(p) for p in params]
+    if any(named):
+        if not all(named):
+            raise ValueError(f"{where}['params'] mixes (name, parameter) pairs and bare parameters")
+        group["param_names"] = [name for name, _ in params]
+        params = [p for _, p in params]
+    for j, p in enumerate(params):
+        check_param(p, f"{where}['params'][{j}]")
+    group["params"] = params
+    # A group that already holds "<key>_schedule" is in stored form (normalized before).
+    if "lr" in group and "lr_schedule" not in group:
+        group["lr"], group["lr_schedule"] = hyperparams.parse_lr(group["lr"], f"{where}['lr']")
+    if "weight_decay" in group and "weight_decay_schedule" not in group:
+        group["weight_decay"], group["weight_decay_schedule"] = hyperparams.parse_weight_decay(
+            group["weight_decay"], f"{where}['weight_decay']"
+        )
+    if "betas" in group:
+        group["betas"] = hyperparams.parse_betas(group["betas"], f"{where}['betas']")
+    if "eps" in group:
+        group["eps"] = hyperparams.parse_eps(group["eps"], f"{where}['eps']")
+    return group

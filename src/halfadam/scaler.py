@@ -15,17 +15,17 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .distributed import AUTO, all_reduce_found_inf, halfadam_optimizer, local, total_norm, zero_process_group
+from . import handover
+from .distributed import AUTO, halfadam_optimizer
+from .handover import READY as _READY, STEPPED as _STEPPED, UNSCALED as _UNSCALED
 
 __all__ = ["GradScaler", "Float16GradWarning"]
 
-_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 #: The loss scale never goes below 2**-126, the smallest normal float32 (see :class:`GradScaler`).
 _MIN_SCALE = torch.finfo(torch.float32).tiny
@@ -77,18 +77,34 @@ def _settings(scale: Any, growth_factor: Any, backoff_factor: Any, growth_interv
     return scale, growth_factor, backoff_factor, growth_interval
 
 
-def _global_norm(grads: List[Tensor], norm_type: float = 2.0, shard_group: Any = None) -> Tensor:
-    """The ``norm_type``-norm of ``grads`` (see :func:`total_norm`) as a float64 0-d tensor, free of overflow.
+def _checked_state(state_dict: Dict[str, Any]) -> Tuple[Tuple[float, float, float, int], int]:
+    """A scaler state_dict's ``((scale, growth_factor, backoff_factor, growth_interval), growth_tracker)``,
+    each checked as the constructor checks it. Raises KeyError (a missing key), TypeError, ValueError."""
+    missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+               if k not in state_dict]
+    if missing:
+        raise KeyError(f"GradScaler state_dict is missing {missing}")
+    settings = _settings(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
+                         state_dict["growth_interval"], "scale")
+    tracker = _int("_growth_tracker", state_dict["_growth_tracker"])
+    if tracker < 0:
+        raise ValueError(f"_growth_tracker must be >= 0, got {tracker}")
+    return settings, tracker
 
-    Accumulated in float64: in float32 the sum of squares of finite float32/bfloat16 values overflows
-    from about 1.8e19, long before any value does. The 2-norm of float16 gradients alone stays in
-    float32 (no overhead): each square is at most 65504**2, so the sum cannot overflow. The result is
-    therefore inf/nan exactly when a gradient holds inf/nan, except for float64 gradients beyond
-    about 1e154, whose squares overflow float64 (see :meth:`GradScaler._fused_step`).
-    """
-    exact32 = norm_type == 2.0 and all(g.dtype == torch.float16 for g in grads)
-    acc = torch.float32 if exact32 else torch.float64
-    return total_norm(grads, norm_type, shard_group=shard_group, dtype=acc).double()
+
+def _update_scale_(scale: Tensor, tracker: Tensor, found_inf: Tensor, growth_factor: float, backoff_factor: float,
+                   growth_interval: int) -> None:
+    """The dynamic loss scale's rule, in place on the 1-element ``scale`` (float32) and ``tracker`` (int32,
+    clean steps since the last change): after an inf/nan (``found_inf``, a bool tensor) the scale is
+    ``max(scale * backoff_factor, 2**-126)``; after ``growth_interval`` clean steps it grows by
+    ``growth_factor`` unless that overflows float32. As torch.amp's ``_amp_update_scale_``, with the floor."""
+    count = torch.where(found_inf, torch.zeros_like(tracker), tracker + 1)
+    grow = count >= growth_interval
+    grown = scale * growth_factor
+    grown = torch.where(torch.isfinite(grown), grown, scale)
+    backed_off = torch.clamp(scale * backoff_factor, min=_MIN_SCALE)
+    scale.copy_(torch.where(found_inf, backed_off, torch.where(grow, grown, scale)))
+    tracker.copy_(torch.where(grow, torch.zeros_like(count), count))
 
 
 def _capturable(optimizer: Any) -> bool:
@@ -96,35 +112,30 @@ def _capturable(optimizer: Any) -> bool:
     return halfadam_optimizer(optimizer) is optimizer and getattr(optimizer, "capturable", False)
 
 
-def _unscale_and_check_(tensors: List[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
-    """Multiply ``tensors`` by ``inv_scale`` in place; set ``found_inf`` to 1.0 if any holds inf/nan.
+class _OverflowStreak:
+    """Counts consecutive overflowing steps; warns (UserWarning) once per run of them, when the scale
+    reaches its floor 2**-126 or the run reaches :data:`_OVERFLOW_WARNING_STEPS` steps."""
 
-    ``found_inf`` and ``inv_scale`` are 1-element float32 tensors on one device. Uses torch's fused
-    ``_amp_foreach_non_finite_check_and_unscale_`` (the op behind torch.amp.GradScaler) when present,
-    per (device, dtype) group; otherwise plain public ops with the same result: the check reads the
-    values before unscaling, and the product is computed in float32 (float64 for float64 tensors).
-    This is the only private torch op used here.
-    """
-    groups: Dict[Any, List[Tensor]] = defaultdict(list)
-    for t in map(local, tensors):  # DTensor (FSDP2) gradients: their local shards, in place
-        groups[(t.device, t.dtype)].append(t)
-    fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
-    for (device, _), ts in groups.items():
-        local_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        local_inv = inv_scale.to(device)
-        if fused is not None:
-            fused(ts, local_inf, local_inv)
-        else:
-            for t in ts:
-                local_inf = torch.maximum(local_inf, (~torch.isfinite(t)).any().float())
-                t.mul_(local_inv.reshape(()))  # a 0-d factor: computed in float32, rounded once
-        found_inf.copy_(torch.maximum(found_inf, local_inf.to(found_inf.device)))
+    def __init__(self):
+        self.steps, self.warned = 0, False
 
-
-_HALF = (torch.float16, torch.bfloat16)
-#: :func:`_unchanged` compares CPU tensors in chunks of this many elements (the first one smaller), so
-#: a gradient changed near its start (any rescale, a clip) is found without a full pass.
-_CHUNK = 1 << 20
+    def record(self, overflow: bool, scale: Tensor) -> None:
+        """One step's outcome (``overflow``: its gradients held inf/nan); ``scale``: the new loss scale."""
+        if not overflow:
+            self.steps, self.warned = 0, False
+            return
+        self.steps += 1
+        if self.warned:
+            return
+        value = scale.item()
+        if value <= _MIN_SCALE or self.steps >= _OVERFLOW_WARNING_STEPS:
+            self.warned = True
+            reason = "reached its floor 2**-126" if value <= _MIN_SCALE else f"is {value:.3g}"
+            warnings.warn(
+                f"GradScaler: {self.steps} consecutive steps had inf/nan gradients and were "
+                f"skipped; the loss scale {reason}. Lowering the scale does not seem to cure it: look for "
+                f"inf/nan in the loss, the data or the model. Training resumes (and the scale grows "
+                f"again) at the first step with finite gradients.", UserWarning, stacklevel=3)
 
 
 class Float16GradWarning(UserWarning):
@@ -135,42 +146,6 @@ class Float16GradWarning(UserWarning):
     ``scaler.clip_grad_norm_(optimizer, max_norm)`` or ``GradScaler(max_grad_norm=...)`` clip the float32
     copies instead. Filter it with ``warnings.filterwarnings("ignore", category=Float16GradWarning)``.
     """
-
-
-def _int_view(t: Tensor) -> Tensor:
-    """``t`` (float16/bfloat16) viewed as int16: equal views mean equal bits (nan, -0.0 included)."""
-    return t.view(torch.int16)
-
-
-def _unchanged(pairs: List[Tuple[Tensor, Tensor]]) -> List[bool]:
-    """For each ``(grad, copy)``: whether ``grad`` still holds ``copy`` rounded to its dtype, bit for bit.
-
-    ``grad`` is a float16/bfloat16 tensor, ``copy`` the float32 tensor written into it (both local
-    shards). A different shape or device counts as changed. On the CPU each pair is compared in
-    chunks, stopping at the first difference (a rescaled or clipped gradient usually costs a few
-    thousand elements); elsewhere one flag per pair is computed on its device and read back with
-    one synchronization per device.
-    """
-    result: List[Optional[bool]] = [None] * len(pairs)
-    pending: Dict[torch.device, List[Tuple[int, Tensor]]] = defaultdict(list)
-    for i, (grad, copy) in enumerate(pairs):
-        if grad.shape != copy.shape or grad.device != copy.device or grad.dtype not in _HALF:
-            result[i] = False
-        elif grad.device.type == "cpu" and grad.is_contiguous() and copy.is_contiguous():
-            flat_g, flat_c, n = grad.reshape(-1), copy.reshape(-1), grad.numel()
-            start, size, same = 0, 4096, True
-            while same and start < n:
-                stop = min(n, start + size)
-                same = torch.equal(_int_view(flat_g[start:stop]), _int_view(flat_c[start:stop].to(grad.dtype)))
-                start, size = stop, _CHUNK
-            result[i] = same
-        else:
-            differs = (_int_view(grad) != _int_view(copy.to(grad.dtype))).any()
-            pending[grad.device].append((i, differs))
-    for items in pending.values():
-        for (i, _), flag in zip(items, torch.stack([d for _, d in items]).tolist()):
-            result[i] = not flag
-    return result  # type: ignore[return-value]
 
 
 class GradScaler:
@@ -280,12 +255,13 @@ class GradScaler:
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._init_growth_tracker = 0
-        self._overflow_streak, self._streak_warned = 0, False  # consecutive overflows, for the warning
+        self._overflows = _OverflowStreak()  # consecutive overflows, for the warning
         self._per_optimizer: Dict[int, Dict[str, Any]] = {}
         self._fp16_edit_warned = False  # the one-time Float16GradWarning (see step)
 
     # ------------------------------------------------------------------ scale
     def is_enabled(self) -> bool:
+        """Whether loss scaling is on (the ``enabled`` argument)."""
         return self._enabled
 
     def _lazy_init(self, device: torch.device) -> None:
@@ -322,19 +298,20 @@ class GradScaler:
         return self._init_scale if self._scale is None else self._scale.item()
 
     def get_growth_factor(self) -> float:
+        """The factor the scale grows by after ``growth_interval`` consecutive clean steps."""
         return self._growth_factor
 
     def get_backoff_factor(self) -> float:
+        """The factor the scale shrinks by after a step with inf/nan gradients."""
         return self._backoff_factor
 
     def get_growth_interval(self) -> int:
+        """The number of consecutive clean steps between growths."""
         return self._growth_interval
 
     # ------------------------------------------------------------------ unscale / step
     def _opt_state(self, optimizer: Any) -> Dict[str, Any]:
-        return self._per_optimizer.setdefault(
-            id(optimizer), {"stage": _READY, "found_inf": None, "grads": None, "shard_group": None,
-                            "seen": None, "watched": None})
+        return self._per_optimizer.setdefault(id(optimizer), handover.new_handover())
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the loss scale and record whether any is inf/nan.
@@ -375,93 +352,8 @@ class GradScaler:
             raise RuntimeError("unscale_() is being called after step().")
         if self._scale is None:
             raise RuntimeError("unscale_() called before scale(): no loss scale exists yet.")
-        inv_scale = self._scale.double().reciprocal().float()
-        found_inf = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        inner = halfadam_optimizer(optimizer)
-        # ZeroRedundancyOptimizer: ranks update disjoint shards, and its step is a collective; they
-        # always agree over its process group, and only this rank's shard is unscaled into fp32.
-        zero_group = zero_process_group(optimizer)
-        if inner is not None:
-            watched = [p for g in (optimizer if zero_group is None else inner).param_groups for p in g["params"]]
-            if zero_group is not None:
-                others = params
-                params = [p for p in watched if p.grad is not None]
-            grads = {p: p.grad if p.grad.dtype in (torch.float32, torch.float64) else p.grad.float() for p in params}
-            _unscale_and_check_(list(grads.values()), inv_scale, found_inf)
-            st["grads"] = grads
-            st["shard_group"] = zero_group
-            if write_back:
-                # .grad of a half parameter gets the unscaled values (rounded); step() compares it
-                # with them to find the gradients that user code changed (see _adopt_grad_edits).
-                st["seen"], st["watched"] = {p: p.grad for p in params}, watched
-                self._write_back(st)
-                if zero_group is not None:  # other ranks' shards: only so that .grad has one scale
-                    rest = [p.grad for p in others if p not in grads]
-                    if rest:
-                        _unscale_and_check_(rest, inv_scale, torch.zeros_like(found_inf))
-        else:
-            for p in params:
-                if p.grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale float16 gradients in place; they would flush to zero. "
-                        "Use a halfadam optimizer, which takes unscaled float32 gradients."
-                    )
-            _unscale_and_check_([p.grad for p in params], inv_scale, found_inf)
-        # Every rank skips the same steps.
-        all_reduce_found_inf(found_inf, self._process_group if zero_group is None else zero_group)
-        st["found_inf"] = found_inf
+        handover.unscale(st, optimizer, self._scale, self._process_group, write_back)
         st["stage"] = _UNSCALED
-
-    @staticmethod
-    def _write_back(st: Dict[str, Any]) -> None:
-        """Copy each float32 gradient into the half ``.grad`` it was made from (rounded to its dtype)."""
-        seen = st["seen"]
-        for p, g in st["grads"].items():
-            if g is not seen[p]:
-                local(seen[p]).copy_(local(g))
-
-    def _adopt_grad_edits(self, st: Dict[str, Any]) -> bool:
-        """Make what user code did to ``.grad`` since :meth:`unscale_` the gradients :meth:`step` uses.
-
-        Per watched parameter: ``.grad`` set to ``None``: skipped; a new tensor, or a gradient where
-        there was none: that tensor; the same half tensor whose bits differ anywhere from the float32
-        copy rounded to its dtype (an in-place change, through any API: the check is on values, so
-        ``torch.nn.utils.clip_grad_norm_`` with a coefficient of exactly 1.0 changes nothing): that
-        tensor. An adopted float16/bfloat16 gradient becomes a new float32 copy of its values (exact),
-        any other one is used itself. Untouched parameters keep their exact float32 copies. A no-op
-        unless the user called :meth:`unscale_` (``st["seen"]`` set).
-
-        Returns whether a float16 gradient holding a nonzero value was adopted (for the one-time
-        :class:`Float16GradWarning`; only checked until it was shown).
-        """
-        seen = st.get("seen")
-        if seen is None:
-            return False
-        grads = st["grads"]
-        adopt, compare = [], []
-        for p in st["watched"]:
-            cur, old = p.grad, seen.get(p)
-            if old is None:
-                if cur is not None:
-                    adopt.append(p)
-            elif cur is None:
-                del grads[p], seen[p]
-            elif cur is not old:
-                adopt.append(p)
-            elif grads[p] is not cur:  # a half .grad next to its float32 copy
-                compare.append(p)
-        if compare:
-            same = _unchanged([(local(seen[p]), local(grads[p])) for p in compare])
-            adopt += [p for p, unchanged in zip(compare, same) if not unchanged]
-        fp16_edit = False
-        for p in adopt:
-            cur = p.grad
-            grads[p] = cur.float() if cur.dtype in _HALF else cur
-            seen[p] = cur
-            if cur.dtype == torch.float16 and not self._fp16_edit_warned and not fp16_edit:
-                fp16_edit = bool(local(cur).any())
-        return fp16_edit
 
     def _warn_fp16_edit(self) -> None:
         """The one-time :class:`Float16GradWarning` (stack level: the caller of the public method)."""
@@ -472,12 +364,6 @@ class GradScaler:
             "in float16, where an unscaled gradient below about 6e-8 is 0 and one below 6.1e-5 loses "
             "precision. scaler.clip_grad_norm_(optimizer, max_norm) or GradScaler(max_grad_norm=...) "
             "clips the float32 gradients instead. (Shown once.)", Float16GradWarning, stacklevel=3)
-
-    def _grads(self, optimizer: Any) -> List[Tensor]:
-        st = self._opt_state(optimizer)
-        if st["grads"] is not None:
-            return list(st["grads"].values())
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the unscaled gradients of ``optimizer`` to a total norm of at most ``max_norm``.
@@ -503,20 +389,9 @@ class GradScaler:
         if self._enabled and self._opt_state(optimizer)["stage"] is _READY:
             self.unscale_(optimizer)
         st = self._opt_state(optimizer)
-        if self._adopt_grad_edits(st):
+        if handover.adopt_grad_edits(st, not self._fp16_edit_warned):
             self._warn_fp16_edit()
-        grads = self._grads(optimizer)
-        shard_group = st["shard_group"] if st["grads"] is not None else None  # ZeRO: this rank's shard
-        if not grads and shard_group is None:
-            return torch.zeros(())
-        # Across shards: DTensor (FSDP2) gradients over their mesh, ZeRO's shards over its group.
-        total = _global_norm(grads, norm_type, shard_group=shard_group)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in map(local, grads):
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
-        if st.get("seen") is not None:
-            self._write_back(st)
-        return total.float()
+        return handover.clip_(st, optimizer, max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and call ``optimizer.step`` unless a gradient is inf/nan.
@@ -554,23 +429,19 @@ class GradScaler:
         if st["stage"] is _READY:
             self._unscale(optimizer, write_back=False)
         else:
-            fp16_edit = self._adopt_grad_edits(st)
+            fp16_edit = handover.adopt_grad_edits(st, not self._fp16_edit_warned)
         if self._max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
         result = None
-        if _capturable(optimizer):  # the skip happens inside the kernel: nothing waits for found_inf
-            if fp16_edit:
-                self._warn_fp16_edit()
-            if st["grads"] is not None:
-                kwargs = dict(kwargs, grads=st["grads"])
-            result = optimizer.step(*args, found_inf=st["found_inf"], **kwargs)
-        elif st["found_inf"].item() == 0.0:
+        capturable = _capturable(optimizer)  # the skip happens inside the kernel: nothing waits for found_inf
+        if capturable or st["found_inf"].item() == 0.0:
             if fp16_edit:  # said when a step uses it (a skipped step's nan from a clip is no news)
                 self._warn_fp16_edit()
             if st["grads"] is not None:
-                result = optimizer.step(*args, grads=st["grads"], **kwargs)
-            else:
-                result = optimizer.step(*args, **kwargs)
+                kwargs["grads"] = st["grads"]
+            if capturable:
+                kwargs["found_inf"] = st["found_inf"]
+            result = optimizer.step(*args, **kwargs)
         st["grads"] = st["seen"] = st["watched"] = None
         st["stage"] = _STEPPED
         return result
@@ -578,26 +449,13 @@ class GradScaler:
     def _fused_step(self, optimizer: Any, st: Dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         """Check, (clip) and step reading the scaled gradients, never writing unscaled copies.
 
-        The norm of the raw gradients from :func:`_global_norm` cannot overflow, so it is inf/nan
-        exactly when a gradient holds inf/nan: one reduction gives both the inf check and the
-        clipping norm (across shards and ranks, see :func:`halfadam.distributed.total_norm`). Only
-        float64 gradients' squares can overflow it (beyond about 1e154); when such a norm is not
-        finite, the max-norm (which cannot overflow) decides instead. The optimizer multiplies each
-        gradient by ``grad_scale`` as it reads it.
+        The check and the clipping coefficient come from one pass (:func:`halfadam.handover.fused_check`);
+        the optimizer multiplies each gradient by ``grad_scale`` as it reads it.
         """
-        inv_scale = self._scale.double().reciprocal().float()
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        raw = _global_norm(grads, 2.0)
-        found_inf = ~torch.isfinite(raw)
-        if any(g.dtype == torch.float64 for g in grads) and found_inf:
-            found_inf = ~torch.isfinite(total_norm(grads, math.inf, dtype=torch.float64))
-        st["found_inf"] = all_reduce_found_inf(found_inf.float().reshape(1).to(self._scale.device),
-                                               self._process_group)
-        grad_scale = inv_scale
-        if self._max_grad_norm is not None:
-            total = (raw.to(self._scale.device) * inv_scale).reshape(())  # unscaled, float64
-            self.last_grad_norm = total.float()
-            grad_scale = inv_scale * torch.clamp(self._max_grad_norm / (total + 1e-6), max=1.0).float()
+        st["found_inf"], grad_scale, norm = handover.fused_check(optimizer, self._scale, self._max_grad_norm,
+                                                                  self._process_group)
+        if norm is not None:
+            self.last_grad_norm = norm
         # the optimizer skips where found_inf is set: on the host, or inside the kernel when it is capturable
         result = optimizer.step(*args, grad_scale=grad_scale, found_inf=st["found_inf"], **kwargs)
         st["stage"] = _STEPPED
@@ -631,33 +489,10 @@ class GradScaler:
             if not found:
                 raise RuntimeError("No inf checks were recorded prior to update().")
             found_inf = torch.stack([f.to(self._scale.device) for f in found]).sum() > 0
-            tracker = torch.where(found_inf, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
-            grow = tracker >= self._growth_interval
-            grown = self._scale * self._growth_factor
-            grown = torch.where(torch.isfinite(grown), grown, self._scale)
-            backed_off = torch.clamp(self._scale * self._backoff_factor, min=_MIN_SCALE)
-            self._scale.copy_(torch.where(found_inf, backed_off, torch.where(grow, grown, self._scale)))
-            self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
-            self._warn_on_overflow_streak(bool(found_inf))  # step() has synchronized on found_inf already
+            _update_scale_(self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
+                           self._growth_interval)
+            self._overflows.record(bool(found_inf), self._scale)  # step() has synchronized on found_inf already
         self._per_optimizer.clear()
-
-    def _warn_on_overflow_streak(self, overflow: bool) -> None:
-        """Count consecutive overflows; warn once per run of them, at the floor or at 32 of them."""
-        if not overflow:
-            self._overflow_streak, self._streak_warned = 0, False
-            return
-        self._overflow_streak += 1
-        if self._streak_warned:
-            return
-        scale = self._scale.item()
-        if scale <= _MIN_SCALE or self._overflow_streak >= _OVERFLOW_WARNING_STEPS:
-            self._streak_warned = True
-            reason = "reached its floor 2**-126" if scale <= _MIN_SCALE else f"is {scale:.3g}"
-            warnings.warn(
-                f"GradScaler: {self._overflow_streak} consecutive steps had inf/nan gradients and were "
-                f"skipped; the loss scale {reason}. Lowering the scale does not seem to cure it: look for "
-                f"inf/nan in the loss, the data or the model. Training resumes (and the scale grows "
-                f"again) at the first step with finite gradients.", UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -694,15 +529,7 @@ class GradScaler:
             return
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                   if k not in state_dict]
-        if missing:
-            raise KeyError(f"GradScaler state_dict is missing {missing}")
-        settings = _settings(state_dict["scale"], state_dict["growth_factor"], state_dict["backoff_factor"],
-                             state_dict["growth_interval"], "scale")
-        tracker = _int("_growth_tracker", state_dict["_growth_tracker"])
-        if tracker < 0:
-            raise ValueError(f"_growth_tracker must be >= 0, got {tracker}")
+        settings, tracker = _checked_state(state_dict)
         self._init_scale, self._growth_factor, self._backoff_factor, self._growth_interval = settings
         self._init_growth_tracker = tracker
         if self._scale is not None:

@@ -30,12 +30,13 @@ Loading never changes a state tensor's dtype (float32 state stays float32 for fl
 parameters; ``torch.optim.Optimizer.load_state_dict`` would cast it to float16) and is atomic: every
 count, key, shape, dtype and hyperparameter is checked first; on a mismatch :class:`CheckpointError`
 names the parameter index and what differs, and the optimizer is left exactly as it was. Values are
-then copied *into* the optimizer's state tensors (created through its ``_init_state`` seam), moving to
-the parameter's device. A ``torch.optim.Adam``/``AdamW`` state_dict loads too (its moments are
+then copied *into* the optimizer's state tensors (created through its state layer,
+:class:`halfadam.state.ParamStates`), moving to the parameter's device. A ``torch.optim.Adam``/``AdamW`` state_dict loads too (its moments are
 upcast to float32, exactly; the master weights are rebuilt from the parameters with a warning), and
 
 This module sits below :mod:`halfadam.optimizer` (whose ``state_dict``/``load_state_dict`` call it) and
-never imports it: it works on any optimizer with halfadam's groups and ``_init_state`` seam.
+never imports it: it works on any optimizer with halfadam's groups and state layer
+(``optimizer._states``).
 :mod:`halfadam.checkpoint` re-exports everything public here.
 """
 
@@ -346,6 +347,41 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
 
 def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPlan:
     """Check ``state_dict`` against ``optimizer`` completely; change nothing. Raises CheckpointError."""
+    saved_groups, saved_state, kind = _check_structure(state_dict, optimizer.param_groups)
+    slots = _slots(optimizer.param_groups, saved_groups, saved_state)
+    new_groups = [_merge_group(g, s, kind, gi) for gi, (g, s) in enumerate(zip(optimizer.param_groups, saved_groups))]
+    plan = _LoadPlan(groups=new_groups, loads=[], clear=[])
+    plan.warnings += _decay_warnings(kind, optimizer.param_groups, saved_groups, new_groups)
+    for pid, (p, gi, j, index) in slots.items():
+        saved = saved_state.get(pid)
+        if saved is None:
+            plan.clear.append(p)
+        else:
+            plan.loads.append(_param_load(optimizer, p, new_groups[gi], saved, kind, _where(index, gi, j, p), gi,
+                                          index))
+    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most (0: none)
+        for gi, group in enumerate(plan.groups):
+            group["global_step"] = int(max([load.step for load in plan.loads if load.group_index == gi], default=0))
+    dropped = [index for pid, (p, gi, j, index) in slots.items()
+               if pid not in saved_state and optimizer.state.get(p)]
+    if dropped:
+        plan.warnings.append(
+            f"parameter(s) {dropped[:10]}{'...' if len(dropped) > 10 else ''} have no state in the checkpoint (a "
+            f"parameter that never took a step there): their moments and step counts are reset, as torch.optim does")
+    _check_schedules(plan.groups)
+    rebuilt = [load.index for load in plan.loads if load.rebuild_master]
+    if rebuilt:
+        source = "a torch.optim checkpoint" if kind == "torch" else "a checkpoint written without master weights"
+        plan.warnings.append(
+            f"master weights rebuilt from the current parameter values for parameter(s) {rebuilt} ({source} has "
+            f"none); load the model's weights before the optimizer's"
+        )
+    return plan
+
+
+def _check_structure(state_dict: Any, groups: List[Dict[str, Any]]) -> Tuple[list, Mapping, str]:
+    """``(saved param_groups, saved state, kind)`` of a state_dict whose layout fits ``groups`` (a dict
+    with 'state' and 'param_groups', as many groups, all of one kind: "halfadam" or "torch")."""
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointError("an optimizer state_dict must be a dict with 'state' and 'param_groups'")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -353,7 +389,6 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
         raise CheckpointError("the state_dict's 'param_groups' must be a list of dicts")
     if not isinstance(saved_state, Mapping):
         raise CheckpointError("the state_dict's 'state' must be a dict")
-    groups = optimizer.param_groups
     if len(saved_groups) != len(groups):
         raise CheckpointError(
             f"the checkpoint has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}"
@@ -361,9 +396,13 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
     kinds = [_group_kind(g, gi) for gi, g in enumerate(saved_groups)]
     if len(set(kinds)) > 1:
         raise CheckpointError("the checkpoint mixes halfadam and torch.optim parameter groups")
-    kind = kinds[0] if kinds else "halfadam"
+    return saved_groups, saved_state, kinds[0] if kinds else "halfadam"
 
-    # Saved index -> parameter, by position (as torch does).
+
+def _slots(groups: List[Dict[str, Any]], saved_groups: list,
+           saved_state: Mapping) -> Dict[Any, Tuple[Tensor, int, int, int]]:
+    """Saved index -> ``(parameter, group index, index in the group, index overall)``, by position (as
+    torch does); CheckpointError where the groups' sizes differ, an index repeats or has no group."""
     slots: Dict[Any, Tuple[Tensor, int, int, int]] = {}
     index = 0
     for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
@@ -384,134 +423,141 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
     stray = [k for k in saved_state if k not in slots]
     if stray:
         raise CheckpointError(f"the checkpoint has state for parameter index(es) {stray[:5]} that are in no group")
+    return slots
 
-    new_groups = [_merge_group(g, s, kind, gi) for gi, (g, s) in enumerate(zip(groups, saved_groups))]
 
-    plan = _LoadPlan(groups=new_groups, loads=[], clear=[])
+def _decay_warnings(kind: str, groups: List[Dict[str, Any]], saved_groups: list, new_groups: list) -> List[str]:
+    """Where the checkpoint decays weights otherwise than this optimizer: a torch one (AdamW vs Adam),
+    or another halfadam class (its ``decay``/``optimized_update`` replace this optimizer's)."""
+    warnings_ = []
     if kind == "torch":
         for gi, saved in enumerate(saved_groups):
             dwd = saved.get("decoupled_weight_decay")
             wd = new_groups[gi]["weight_decay"]
             wd = wd.item() if isinstance(wd, Tensor) else wd
             if dwd is not None and wd and bool(dwd) != (new_groups[gi]["decay"] == "decoupled"):
-                plan.warnings.append(
+                warnings_.append(
                     f"param_groups[{gi}]: the checkpoint decays weights "
                     f"{'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
                     f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
                 )
-    else:
-        for gi, (current, new) in enumerate(zip(groups, new_groups)):
-            for key in ("decay", "optimized_update"):
-                if key in current and current[key] != new[key]:
-                    plan.warnings.append(
-                        f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
-                        f"{current[key]!r} (it was written by another halfadam optimizer class?)"
-                    )
-    rebuilt = []
-    steps_per_group: Dict[int, List[float]] = {}
-    for pid, (p, gi, j, index) in slots.items():
-        where = _where(index, gi, j, p)
-        saved = saved_state.get(pid)
-        if saved is None:
-            plan.clear.append(p)
-            continue
-        if not isinstance(saved, Mapping):
-            raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
-        group = new_groups[gi]
-        compute = torch.float64 if p.dtype == torch.float64 else torch.float32
-        use_master = optimizer._use_master(p, group)  # type: ignore[attr-defined]
-        saved = dict(saved)
-        remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
-        allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
-                   if kind == "halfadam"
-                   else {"step", "exp_avg", "exp_avg_sq"})
-        unexpected = sorted(set(saved) - allowed)
-        if unexpected:
-            raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
-        missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
-        if missing:
-            raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
-        has_master = encodings.has_master(saved)
-        if has_master and not use_master:
-            raise CheckpointError(
-                f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_lo'}) "
-                f"but this optimizer keeps none for this parameter "
-                f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
-                f"fp32 weights with load_master_state_dict"
-            )
-        for name in saved:
-            if name != "step" and not isinstance(saved[name], Tensor):
-                raise CheckpointError(f"{where}: {name} must be a tensor, got {type(saved[name]).__name__}")
-        fmt = encodings.StateFormat()
-        if kind == "halfadam" and compute == torch.float32:
-            try:
-                fmt = encodings.format_of(saved)
-            except ValueError as exc:
-                raise CheckpointError(f"{where}: {exc}") from None
-            if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
-                raise CheckpointError(f"{where}: the checkpoint has a split master (master_hi, master_lo), which needs a "
-                                      f"float16/bfloat16 parameter")
-            if fmt.master == "split" and remainder_dtype not in (None, _dtype_name(p.dtype)):
-                raise CheckpointError(
-                    f"{where}: the checkpoint's split master holds remainders over a {remainder_dtype} parameter; "
-                    f"over this {_dtype_name(p.dtype)} one they mean another master. Load it into the model in "
-                    f"{remainder_dtype}, or carry exact masters across dtypes with master_state_dict and "
-                    f"halfadam.checkpoint.load_master_state_dict")
-        expected = encodings.element_keys(fmt, has_master)
-        blocks = encodings.block_keys(fmt, has_master)
-        extra = sorted(k for k in set(saved) - {"step"} if k not in expected and k not in blocks)
-        absent = sorted(k for k in list(expected) + list(blocks) if k not in saved)
-        if extra or absent:
-            raise CheckpointError(f"{where}: the checkpoint's state keys do not form one encoding "
-                                  f"({fmt.describe()}): unexpected {extra}, missing {absent}")
-        values = {}
-        for name in list(expected) + list(blocks):
-            t = saved[name]
-            shape = tuple(p.shape) if name in expected else encodings.block_shape(tuple(p.shape))
-            flat = (encodings.n_blocks(p.numel()),)  # 1-D blocks over the flat parameter, as written before 2026-12-01
-            if name in blocks and tuple(t.shape) == flat and math.prod(flat) == math.prod(shape):
-                t = t.reshape(shape)  # the same blocks (rows of whole blocks): reshaped
-            if tuple(t.shape) != shape and not (name in blocks and tuple(t.shape) == flat):
-                raise CheckpointError(
-                    f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
-                    + (" (the parameter's)" if name in expected
-                       else f" (one per {encodings.BLOCK} elements of each row, the last one per row shorter)")
+        return warnings_
+    for gi, (current, new) in enumerate(zip(groups, new_groups)):
+        for key in ("decay", "optimized_update"):
+            if key in current and current[key] != new[key]:
+                warnings_.append(
+                    f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
+                    f"{current[key]!r} (it was written by another halfadam optimizer class?)"
                 )
-            if t.is_meta:
-                raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
-            want = compute if expected.get(name) == torch.float32 and name in expected else (
-                expected.get(name) or blocks[name])
-            if kind == "torch":
-                if not t.is_floating_point():
-                    raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
-                if torch.promote_types(t.dtype, compute) != compute:
-                    raise CheckpointError(
-                        f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
-                        f"lose precision"
-                    )
-            elif t.dtype != want:
-                raise CheckpointError(
-                    f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {want} (halfadam keeps "
-                    f"this state in {want})"
-                )
-            values[name] = t
-        step = _check_step(saved["step"], f"{where}: step")
-        rebuild = use_master and not has_master
-        if rebuild:
-            rebuilt.append(index)
-        steps_per_group.setdefault(gi, []).append(step)
-        plan.loads.append(_ParamLoad(p, gi, index, values, step, rebuild, fmt))
+    return warnings_
 
-    if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most (0: none)
-        for gi, group in enumerate(plan.groups):
-            group["global_step"] = int(max(steps_per_group.get(gi, [0])))
-    dropped = [index for pid, (p, gi, j, index) in slots.items()
-               if pid not in saved_state and optimizer.state.get(p)]
-    if dropped:
-        plan.warnings.append(
-            f"parameter(s) {dropped[:10]}{'...' if len(dropped) > 10 else ''} have no state in the checkpoint (a "
-            f"parameter that never took a step there): their moments and step counts are reset, as torch.optim does")
-    for gi, group in enumerate(plan.groups):
+
+def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, Any], saved: Any, kind: str,
+                where: str, gi: int, index: int) -> _ParamLoad:
+    """One parameter's saved state, checked against ``p`` and its (merged) ``group``: its keys, their
+    encoding, shapes and dtypes, and its step."""
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
+    use_master = optimizer._states.use_master(p, group)  # type: ignore[attr-defined]
+    saved = dict(saved)
+    remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
+    allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
+               if kind == "halfadam"
+               else {"step", "exp_avg", "exp_avg_sq"})
+    unexpected = sorted(set(saved) - allowed)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
+    missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
+    if missing:
+        raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
+    has_master = encodings.has_master(saved)
+    if has_master and not use_master:
+        raise CheckpointError(
+            f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_lo'}) "
+            f"but this optimizer keeps none for this parameter "
+            f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
+            f"fp32 weights with load_master_state_dict"
+        )
+    for name in saved:
+        if name != "step" and not isinstance(saved[name], Tensor):
+            raise CheckpointError(f"{where}: {name} must be a tensor, got {type(saved[name]).__name__}")
+    fmt = _saved_format(saved, p, kind, remainder_dtype, where)
+    values = _checked_values(saved, p, fmt, has_master, kind, where)
+    step = _check_step(saved["step"], f"{where}: step")
+    return _ParamLoad(p, gi, index, values, step, use_master and not has_master, fmt)
+
+
+def _saved_format(saved: Dict[str, Any], p: Tensor, kind: str, remainder_dtype: Optional[str],
+                  where: str) -> encodings.StateFormat:
+    """The state format ``saved`` is written in (torch's and float64 state: fp32's), checked against ``p``."""
+    if kind != "halfadam" or p.dtype == torch.float64:
+        return encodings.StateFormat()
+    try:
+        fmt = encodings.format_of(saved)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
+        raise CheckpointError(f"{where}: the checkpoint has a split master (master_hi, master_lo), which needs a "
+                              f"float16/bfloat16 parameter")
+    if fmt.master == "split" and remainder_dtype not in (None, _dtype_name(p.dtype)):
+        raise CheckpointError(
+            f"{where}: the checkpoint's split master holds remainders over a {remainder_dtype} parameter; "
+            f"over this {_dtype_name(p.dtype)} one they mean another master. Load it into the model in "
+            f"{remainder_dtype}, or carry exact masters across dtypes with master_state_dict and "
+            f"halfadam.checkpoint.load_master_state_dict")
+    return fmt
+
+
+def _checked_values(saved: Dict[str, Any], p: Tensor, fmt: encodings.StateFormat, has_master: bool, kind: str,
+                    where: str) -> Dict[str, Tensor]:
+    """The tensors of ``saved`` that encoding ``fmt`` keeps, checked: every key there, shapes (1-D
+    blocks of before 2026-12-01 reshaped where they are the same blocks) and dtypes (a torch
+    checkpoint's may widen to the compute dtype, never narrow)."""
+    compute = torch.float64 if p.dtype == torch.float64 else torch.float32
+    expected = encodings.element_keys(fmt, has_master)
+    blocks = encodings.block_keys(fmt, has_master)
+    extra = sorted(k for k in set(saved) - {"step"} if k not in expected and k not in blocks)
+    absent = sorted(k for k in list(expected) + list(blocks) if k not in saved)
+    if extra or absent:
+        raise CheckpointError(f"{where}: the checkpoint's state keys do not form one encoding "
+                              f"({fmt.describe()}): unexpected {extra}, missing {absent}")
+    values = {}
+    for name in list(expected) + list(blocks):
+        t = saved[name]
+        shape = tuple(p.shape) if name in expected else encodings.block_shape(tuple(p.shape))
+        flat = (encodings.n_blocks(p.numel()),)  # 1-D blocks over the flat parameter, as written before 2026-12-01
+        if name in blocks and tuple(t.shape) == flat and math.prod(flat) == math.prod(shape):
+            t = t.reshape(shape)  # the same blocks (rows of whole blocks): reshaped
+        if tuple(t.shape) != shape and not (name in blocks and tuple(t.shape) == flat):
+            raise CheckpointError(
+                f"{where}: {name} has shape {tuple(t.shape)} in the checkpoint, expected {shape}"
+                + (" (the parameter's)" if name in expected
+                   else f" (one per {encodings.BLOCK} elements of each row, the last one per row shorter)")
+            )
+        if t.is_meta:
+            raise CheckpointError(f"{where}: {name} is on the meta device (no data) in the checkpoint")
+        want = compute if expected.get(name) == torch.float32 and name in expected else (
+            expected.get(name) or blocks[name])
+        if kind == "torch":
+            if not t.is_floating_point():
+                raise CheckpointError(f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {compute}")
+            if torch.promote_types(t.dtype, compute) != compute:
+                raise CheckpointError(
+                    f"{where}: {name} has dtype {t.dtype} in the checkpoint; converting it to {compute} would "
+                    f"lose precision"
+                )
+        elif t.dtype != want:
+            raise CheckpointError(
+                f"{where}: {name} has dtype {t.dtype} in the checkpoint, expected {want} (halfadam keeps "
+                f"this state in {want})"
+            )
+        values[name] = t
+    return values
+
+
+def _check_schedules(groups: List[Dict[str, Any]]) -> None:
+    """CheckpointError where a loaded group's schedule fails at its loaded global step."""
+    for gi, group in enumerate(groups):
         for key in _SCHEDULE_KEYS:
             schedule = group.get(key)
             if schedule is not None:
@@ -522,13 +568,6 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
                     raise CheckpointError(
                         f"param_groups[{gi}]['{key}'] fails at global step {group['global_step']}: {exc}"
                     ) from None
-    if rebuilt:
-        source = "a torch.optim checkpoint" if kind == "torch" else "a checkpoint written without master weights"
-        plan.warnings.append(
-            f"master weights rebuilt from the current parameter values for parameter(s) {rebuilt} ({source} has "
-            f"none); load the model's weights before the optimizer's"
-        )
-    return plan
 
 
 @torch.no_grad()
@@ -543,9 +582,9 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         optimizer.state.pop(p, None)
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
-        if optimizer._stale_shape(p) is not None:  # type: ignore[attr-defined]
+        if optimizer._states.stale_shape(p) is not None:  # type: ignore[attr-defined]
             optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
-        state = optimizer._init_state(p, group)  # the optimizer's own tensors (views into flat buffers)
+        state = optimizer._states.init(p, group)  # the optimizer's own tensors (views into flat buffers)
         target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
         same = load.format == target and all(v.shape == state[k].shape for k, v in load.values.items())
         if p.dtype == torch.float64 or (same and not load.rebuild_master):
@@ -624,7 +663,7 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """
     for group in optimizer.param_groups:  # state made for another shape of its parameter: a ValueError
         for p in group["params"]:
-            optimizer._check_state_shape(p, group)  # type: ignore[attr-defined]
+            optimizer._states.check_shape(p, group)  # type: ignore[attr-defined]
     packed = torch.optim.Optimizer.state_dict(optimizer)
     halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
     groups = []

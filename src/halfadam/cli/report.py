@@ -1,4 +1,5 @@
-"""Reporting for ``halfadam train``: the results table, ``metrics.json`` and the loss plot."""
+"""Reporting for ``halfadam train``: the lines that open a run, the comparison of every mode with float32,
+the results table, ``metrics.json`` and the loss plot."""
 
 from __future__ import annotations
 
@@ -6,7 +7,60 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["format_table", "plot_losses", "write_metrics"]
+import torch
+
+from .config import TrainConfig
+from .models import relative_distance
+
+__all__ = ["compare_with_fp32", "format_table", "plot_losses", "print_header", "write_metrics"]
+
+
+def print_header(cfg: TrainConfig, device: torch.device, world: int, data_line: str, model_line: str, n_params: int,
+                 skipped: list[str], fresh: list[str]) -> None:
+    """Print what the run trains and how: task, device, data, model, processes, steps and modes, the peers
+    skipped (``skipped``, one line each) and the modes ``--resume`` starts from scratch (``fresh``)."""
+    compute = "float32 compute, weights stored per mode" if device.type == "cpu" else "compute in the parameter dtype"
+    print(f"halfadam train: {cfg.task} on {device} ({compute})")
+    print(f"  data:  {data_line}")
+    print(f"  model: {model_line}, {n_params:,} parameters")
+    sched = "constant" if cfg.lr_schedule == "constant" else f"cosine, {cfg.warmup_steps} warm-up steps"
+    if world > 1:
+        backend = torch.distributed.get_backend()
+        how = "DDP" if cfg.dist == "ddp" else "FSDP2: parameters, gradients and optimizer state sharded"
+        print(f"  data-parallel: {world} processes ({how}, {backend}), {cfg.batch_size // world} per process "
+              f"per step")
+    elif cfg.dist == "fsdp":
+        print("  --dist fsdp in one process: nothing is sharded (start N processes with --nproc N or torchrun); "
+              "checkpoints are DCP directories all the same")
+    print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
+          f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+    for line in skipped:
+        print(f"  {line}", flush=True)
+    if fresh:
+        print(f"  resume: from {cfg.resume}; no checkpoint yet, so from scratch: {', '.join(fresh)}", flush=True)
+
+
+def compare_with_fp32(results: dict[str, dict], weights: dict[str, tuple]) -> None:
+    """Add to every mode's metrics in ``results`` its distance to the fp32 mode's final weights (of its final
+    weights and, where it has them, its master weights) and its final validation loss relative to fp32's.
+
+    ``weights``: per mode, ``(final weights, master weights or None)`` as :func:`~halfadam.cli.loop.train_mode`
+    returns them. Without an fp32 mode, or for a diverged mode, the weight distance and the relative loss are
+    ``None`` and the master weights' distance is left out.
+    """
+    ref = weights.get("fp32")
+    for name, metrics in results.items():
+        final, masters = weights[name]
+        ok = metrics["diverged_at_step"] is None
+        metrics["weight_distance_to_fp32"] = relative_distance(final, ref[0]) if ref and ok else None
+        if masters is not None and ref:
+            metrics["master_weight_distance_to_fp32"] = relative_distance(masters, ref[0])
+        if "fp32" in results and ok:
+            ref_val = results["fp32"]["final_val_loss"]
+            metrics["val_loss_vs_fp32_percent"] = 100 * (metrics["final_val_loss"] - ref_val) / ref_val
+        else:
+            metrics["val_loss_vs_fp32_percent"] = None
+
 
 #: Line style per mode, so every plot reads the same way; fp32 is a wide grey band under the others.
 _STYLE = {
