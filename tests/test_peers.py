@@ -12,6 +12,7 @@ import io
 import json
 import math
 import sys
+import types
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from halfadam import bench
 from halfadam.cli import main
 from halfadam.cli.modes import parse_modes
-from halfadam.cli.peers import PEERS, tensor_parts
+from halfadam.cli.peers import PEERS, select, tensor_parts
 from halfadam.cli.train import optimizer_state_bytes
 
 TRAIN_PEERS = [p for p in PEERS.values() if not p.bench_only]
@@ -81,6 +82,34 @@ def test_state_bytes_count_a_shared_tensor_once():
     assert optimizer_state_bytes(opt) == 4 + 4 + 256 * 4
 
 
+def test_flashoptim_is_skipped_without_cuda(monkeypatch):
+    """FlashOptim quantizes its state only for CUDA tensors (on the CPU it would keep float32 moments):
+    where the device is not CUDA it is left out with one line, installed or not."""
+    monkeypatch.setitem(sys.modules, "flashoptim", types.ModuleType("flashoptim"))  # imports: "installed"
+    lines = []
+    assert select(["fp32", "bf16-flashoptim"], add=False, device="cpu", log=lines.append) == ["fp32"]
+    assert lines == ["--peers: skipped bf16-flashoptim: flashoptim.FlashAdamW(master_weight_bits=24) needs CUDA "
+                     "(it quantizes its state only for CUDA tensors), not cpu"]
+
+
+def test_state_bytes_count_the_tensors_an_object_holds():
+    """FlashOptim keeps each moment in a plain object (``_MaybeQuantizedTensor``: int8 codes, an fp16
+    scale per 32): the bytes counted are its tensors', 3.125 per parameter with the int8 correction."""
+
+    class Quantized:  # the attributes of flashoptim's _MaybeQuantizedTensor once quantized
+        def __init__(self, n):
+            self._quantized = torch.zeros(n, dtype=torch.int8)
+            self._scales = torch.zeros(n // 32, dtype=torch.float16)
+            self.data = None
+
+    p = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p] = {"exp_avg": Quantized(4096), "exp_avg_sq": Quantized(4096),
+                    "error_bits": torch.zeros(4096, dtype=torch.int8), "step": torch.tensor(3)}
+    assert optimizer_state_bytes(opt) == 3.125 * 4096
+    assert bench._memory_bytes(opt, scratch=False) == 3.125 * 4096 + 8  # the int64 step counter too
+
+
 # --------------------------------------------------------------------------- with the peers installed
 def _installed() -> list:
     return [p for p in TRAIN_PEERS if importlib.util.find_spec(p.module) is not None]
@@ -135,6 +164,8 @@ def test_peer_weight_decay_is_torch_adamw_decay(name):
     """With zero gradients the step is the decay alone: w * (1 - lr * wd), as torch.optim.AdamW."""
     peer = PEERS[name]
     pytest.importorskip(peer.module)
+    if peer.cuda_only and not torch.cuda.is_available():
+        pytest.skip(f"{peer.source} runs as itself on CUDA only")
     w = torch.ones(4096, dtype=torch.bfloat16, requires_grad=True)  # 4096: the 8-bit peers quantize it
     w.grad = torch.zeros_like(w)
     with eager_torchao():

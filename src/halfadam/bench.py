@@ -138,12 +138,11 @@ def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
 
     def add(t):
         nonlocal total
-        if isinstance(t, torch.Tensor):
-            for part in tensor_parts(t):  # a tensor subclass (torchao's 8-bit state): what it holds
-                s = part.untyped_storage()
-                if s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
+        for part in tensor_parts(t):  # a tensor subclass (torchao's 8-bit state), FlashOptim's state: what it holds
+            s = part.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
 
     for st in opt.state.values():
         for v in st.values():

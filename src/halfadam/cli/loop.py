@@ -58,9 +58,10 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every per-element tensor in ``optimizer.state`` (scalar step counters are left out).
 
-    A ``DTensor`` counts as this process's shard; a tensor subclass counts as the plain tensors it
-    holds (:func:`halfadam.cli.peers.tensor_parts`; torchao's 8-bit state poses as bfloat16), and a
-    tensor held by several entries (bitsandbytes shares its code tables between parameters) counts once.
+    A ``DTensor`` counts as this process's shard; a tensor subclass, or an object holding tensors,
+    counts as the plain tensors it holds (:func:`halfadam.cli.peers.tensor_parts`; torchao's 8-bit state
+    poses as bfloat16, FlashOptim's is an object), and a tensor held by several entries (bitsandbytes
+    shares its code tables between parameters) counts once.
     """
     total = 0
     seen = set()
@@ -81,6 +82,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         elif isinstance(value, (list, tuple)):
             for v in value:
                 visit(v)
+        else:  # an object holding tensors (FlashOptim's quantized state)
+            for part in tensor_parts(value):
+                visit(part)
 
     for state in optimizer.state.values():
         visit(state)

@@ -39,6 +39,7 @@ class Peer:
     param_dtype: torch.dtype = torch.bfloat16
     probe: bool = False  # try one step on a small tensor before using it (it may not run here)
     bench_only: bool = False
+    cuda_only: bool = False  # runs as itself only on CUDA tensors: skipped elsewhere, with one line
 
     @property
     def label(self) -> str:
@@ -110,6 +111,15 @@ def _te_fused_adam(params, *, lr, weight_decay):
                      store_param_remainders=True)
 
 
+def _flashoptim(params, *, lr, weight_decay):
+    import flashoptim
+
+    # FlashAdamW decays param *= 1 - lr * wd (decoupled, decouple_lr=False), as torch's AdamW. Its
+    # default master_weight_bits=24: the bf16 parameter plus an int8 correction (rounded to nearest).
+    return flashoptim.FlashAdamW(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay,
+                                 master_weight_bits=24)
+
+
 _PEER_LIST = [
     Peer("bf16-optimi-kahan", "torch-optimi", "optimi", "optimi.AdamW(kahan_sum=True)",
          "optimi.AdamW with Kahan summation on bfloat16 parameters, no master weights: bf16 exp_avg, "
@@ -137,6 +147,12 @@ _PEER_LIST = [
          "transformer_engine.pytorch.optimizers.FusedAdam(master_weights=True, store_param_remainders=True)",
          "Transformer Engine's FusedAdam on bfloat16 parameters (CUDA): fp32 master as the parameter plus a "
          "16-bit remainder, fp32 moments (10 B/param)", _te_fused_adam, probe=True, bench_only=True),
+    # FlashOptim quantizes its state only for CUDA tensors (on the CPU it keeps float32 moments and no
+    # correction), so on the CPU it would not be the optimizer it is: it runs on CUDA only.
+    Peer("bf16-flashoptim", "flashoptim", "flashoptim", "flashoptim.FlashAdamW(master_weight_bits=24)",
+         "FlashOptim's FlashAdamW on bfloat16 parameters (CUDA): a 24-bit master (the parameter plus an int8 "
+         "correction, round to nearest), int8 exp_avg and uint8 sqrt(exp_avg_sq) codes with an fp16 scale "
+         "per 32 (3.125 B/param)", _flashoptim, cuda_only=True),
 ]
 
 #: Every peer by name, in the order they are added.
@@ -168,8 +184,9 @@ def select(names: list[str], *, add: bool, bench: bool = False, device: torch.de
            log: Callable[[str], None] | None = print) -> list[str]:
     """``names`` with the peers that can run here: every peer appended when ``add`` (``--peers``).
 
-    A peer (named or added) whose package is missing, fails to import or, for a probed peer, fails one
-    step on ``device`` is left out with one line to ``log``. ``bench`` includes the bench-only peers.
+    A peer (named or added) whose package is missing, fails to import, needs CUDA where ``device`` is
+    not (FlashOptim) or, for a probed peer, fails one step on ``device`` is left out with one line to
+    ``log``. ``bench`` includes the bench-only peers.
     """
     wanted = list(names)
     if add:
@@ -189,6 +206,8 @@ def select(names: list[str], *, add: bool, bench: bool = False, device: torch.de
             except Exception as exc:  # an installed package that does not load against this torch
                 ok[peer.module] = f"import {peer.module} failed: {type(exc).__name__}: {_first_line(exc)}"
         why = ok[peer.module]
+        if why is None and peer.cuda_only and torch.device(device).type != "cuda":
+            why = f"{peer.source} needs CUDA (it quantizes its state only for CUDA tensors), not {device}"
         if why is None and peer.probe:
             try:
                 _probe(peer, device)
@@ -205,13 +224,20 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def tensor_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s data: ``t`` itself, or a tensor subclass's inner tensors.
+def tensor_parts(value) -> list[torch.Tensor]:
+    """The plain tensors holding the data of a state entry ``value``: a tensor itself, a tensor
+    subclass's inner tensors, or the tensors an object holds as attributes; ``[]`` for anything else.
 
     A wrapper subclass (torchao's ``OptimState8bit``: ``codes``, ``scale``, ``qmap``) is opened through
-    ``__tensor_flatten__``, recursively.
+    ``__tensor_flatten__``, recursively. A plain object (FlashOptim's ``_MaybeQuantizedTensor``: int8
+    codes and fp16 scales, or float32 data) is opened through its attributes, so the bytes counted are
+    the bytes it stores.
     """
-    if not hasattr(type(t), "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [part for name in names for part in tensor_parts(getattr(t, name))]
+    if isinstance(value, torch.Tensor):
+        if not hasattr(type(value), "__tensor_flatten__"):
+            return [value]
+        names, _ = value.__tensor_flatten__()
+        return [part for name in names for part in tensor_parts(getattr(value, name))]
+    if hasattr(value, "__dict__") and not callable(value):
+        return [part for v in vars(value).values() if isinstance(v, torch.Tensor) for part in tensor_parts(v)]
+    return []
