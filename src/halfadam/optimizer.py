@@ -458,8 +458,7 @@ class AdamW(_AdamBase):
         learning_rate: the same as ``lr`` (mindformers' name); giving both is a TypeError.
         master_weights: ``None`` (default): on for float16/bfloat16 parameters, off for float32;
             ``True``/``False`` force it.
-        implementation: how a step runs; every choice computes the same bits (README,
-            "Implementations"). ``"reference"``: one :func:`halfadam.functional.adam_update_` call per
+        implementation: how a step runs; every choice computes the same bits (docs/implementations.md). ``"reference"``: one :func:`halfadam.functional.adam_update_` call per
             parameter (the readable definition). ``"foreach"``: the same math run eagerly over flat
             fp32 buffers, one op per bucket (group, device, dtype). ``"fused"``: that function
             compiled by ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on
@@ -475,9 +474,11 @@ class AdamW(_AdamBase):
             master as the parameter plus a 16-bit remainder: bf16 training bit for bit the same;
             10.008 B), ``"bf16"`` (split, bf16 moments with stochastic rounding; 6.008 B) or
             ``"compact"`` (split, 8-bit block-wise moments; 4.02 B).
-        store_param_remainders, exp_avg_dtype, exp_avg_sq_dtype: override the preset's fields
-            (Megatron's names): split masters on/off; ``torch.float32``, ``torch.bfloat16`` or
-            ``torch.uint8`` (8-bit block-wise) for each moment.
+        store_param_remainders: overrides the preset's master field (Megatron's name): split
+            masters on/off; ``None`` (default) keeps the preset's.
+        exp_avg_dtype: overrides the preset's ``exp_avg`` field (Megatron's name): ``torch.float32``,
+            ``torch.bfloat16`` or ``torch.uint8`` (8-bit block-wise); ``None`` (default) keeps it.
+        exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         capturable: torch's name: the step reads no value on the host, so it can be captured in a
             CUDA graph (``torch.cuda.graph``; build the tensor table with a warm-up step first, and
             keep the gradients' storage: ``zero_grad(set_to_none=False)``). The step counts then live
@@ -486,9 +487,10 @@ class AdamW(_AdamBase):
             lr). Runs the Triton kernel only (``implementation="auto"`` or ``"triton"``; CUDA, or CPU
             tensors under ``TRITON_INTERPRET=1``); parameters of the reference path (float64,
             DTensor, half without master weights) are a ValueError at the step.
-        amsgrad, maximize, foreach, differentiable, fused: torch.optim.AdamW's flags, accepted at
-            their "off" values (False; ``foreach``/``fused`` None or False), so code written for
-            torch runs unchanged; any other value is a ValueError.
+        amsgrad: torch.optim.AdamW's flag, accepted at its "off" value ``False`` (the default), so
+            code written for torch runs unchanged; any other value is a ValueError. The same holds
+            for ``maximize`` and ``differentiable`` (``False``) and ``foreach`` and ``fused``
+            (``None`` or ``False``).
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
