@@ -60,9 +60,9 @@ def layer_of(name: str) -> int | None:
 
 
 def imported_modules(tree: ast.AST, name: str) -> list[tuple[int, str]]:
-    package = name.split(".")[:-1] if "." in name or name in ("cli", "kernels") else []
-    if name in ("cli", "kernels"):
-        package = [name]
+    # the package a relative import starts from: the module itself when it is a package's __init__
+    parts = [] if name == "__init__" else name.split(".")
+    package = parts if parts and (PACKAGE.joinpath(*parts) / "__init__.py").exists() else parts[:-1]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):

@@ -25,13 +25,10 @@ from .executions import (Hyperparameters, capturable_step, check_capturable, che
                          reference_step, shard_step)
 from .functional import DECAY_MODES
 from .param_groups import (check_disjoint, check_grad, check_order_params, check_pairs, check_torch_flags,
-                           normalize_group,                            raise_foreign_key, split_params)
-from .state import ParamStates, check_row_shards
+                           normalize_group, raise_foreign_key, split_params)
+from .state import HALF_DTYPES, ParamStates, check_row_shards
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 class _AdamBase(torch.optim.Optimizer):
     """The shared engine of :class:`AdamW`, :class:`Adam` and :class:`AdamFP16`.
@@ -179,7 +176,7 @@ class _AdamBase(torch.optim.Optimizer):
                 master = self._states.synced_master(param, group)
                 if master is not None:
                     return master
-                if param.dtype in _HALF_DTYPES:
+                if param.dtype in HALF_DTYPES:
                     raise ValueError(f"master weights are off for this {param.dtype} parameter: it has no fp32 copy")
                 return param
         raise KeyError("the tensor is not a parameter of this optimizer")
@@ -458,7 +455,8 @@ class AdamW(_AdamBase):
         learning_rate: the same as ``lr`` (mindformers' name); giving both is a TypeError.
         master_weights: ``None`` (default): on for float16/bfloat16 parameters, off for float32;
             ``True``/``False`` force it.
-        implementation: how a step runs; every choice computes the same bits (docs/implementations.md). ``"reference"``: one :func:`halfadam.functional.adam_update_` call per
+        implementation: how a step runs; every choice computes the same bits (docs/implementations.md).
+            ``"reference"``: one :func:`halfadam.functional.adam_update_` call per
             parameter (the readable definition). ``"foreach"``: the same math run eagerly over flat
             fp32 buffers, one op per bucket (group, device, dtype). ``"fused"``: that function
             compiled by ``torch.compile`` into one kernel per bucket (Inductor C++ on CPU, Triton on

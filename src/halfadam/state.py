@@ -24,9 +24,10 @@ from ._dtensor import flat_offset, like_param, local, row_sharded
 from .buckets import Bucket, bucket_key, build_buckets
 from .functional import sync_master_
 
-__all__ = ["ParamStates", "check_row_shards"]
+__all__ = ["HALF_DTYPES", "ParamStates", "check_row_shards"]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: The parameter dtypes that get a master weight by default (``master_weights=None``).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class ParamStates:
@@ -57,7 +58,7 @@ class ParamStates:
         """Whether ``param`` keeps a master weight: the group's ``master_weights``, where ``None``
         (the default) for float16/bfloat16 parameters only."""
         use_master = group["master_weights"]
-        return param.dtype in _HALF_DTYPES if use_master is None else use_master
+        return param.dtype in HALF_DTYPES if use_master is None else use_master
 
     def format(self, param: Tensor, group: Dict[str, Any]) -> encodings.StateFormat:
         """The state format of ``param`` (the optimizer's, less what does not apply to it)."""
@@ -277,8 +278,9 @@ class ParamStates:
         per_bucket: Dict[int, List[Tuple[int, Tensor]]] = {}
         rest, new = [], []
         where = {} if layout is None else layout.where
+        states = self.state  # the owner's, looked up once: this loop runs every step over every parameter
         for p, g in pairs:
-            state = self.state[p]
+            state = states[p]
             loc = where.get(id(p))
             if loc is None:
                 if layout is not None and bucket_key(p, self.use_master(p, group)) is not None:
