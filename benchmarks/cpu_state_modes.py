@@ -1,8 +1,8 @@
 """halfadam's C++ CPU kernel per state mode against torch's fused AdamW, as a model's step sees them.
 
 About 20M bfloat16 parameters in 50 matrices with rows of 1,024 elements (``(391, 1024)`` each: 20.0M),
-stepped by ``halfadam.AdamW(state_mode=m, implementation="cpp")`` for m in fp32, split, bf16 and
-compact, and by ``torch.optim.AdamW(fused=True)`` over float32 copies (float32 gradients), all in one
+stepped by ``halfadam.AdamW(state_mode=m, implementation="cpp")`` for m in fp32, split, bf16,
+compact and tiny, and by ``torch.optim.AdamW(fused=True)`` over float32 copies (float32 gradients), all in one
 process and interleaved: each repeat times every optimizer once (``--steps`` steps each, after
 ``--warmup`` untimed ones), at each thread count of ``--threads`` (``torch.set_num_threads``). The
 gradients are random, drawn once before any timing (bfloat16 for the bfloat16 parameters). Prints,
@@ -25,7 +25,7 @@ import torch
 
 import halfadam
 
-MODES = ("fp32", "split", "bf16", "compact")
+MODES = ("fp32", "split", "bf16", "compact", "tiny")
 #: The targets (ratio to torch fused, at most), by thread count.
 TARGETS = {1: {"fp32": 1.0, "split": 1.2, "bf16": 1.1, "compact": 1.0},
            2: {"fp32": 1.0, "split": 1.0, "bf16": 0.9, "compact": 0.8}}

@@ -20,11 +20,11 @@ listing), over the ``CHUNK / (num_warps * 32)`` elements of each thread; the byt
 element, and the H200 time per element each implies: bytes over :data:`HBM_BYTES_PER_S` against
 instructions over :data:`LANE_INSTRUCTIONS_PER_S`. The larger bounds the step; ``issue/mem`` above 1
 means compute-bound. A variant's name gives its parameter and gradient dtypes, ``master`` (0: none, a
-float32 parameter; 1: fp32 master; 2: split master), the ``m``/``v`` moment encodings and its
+float32 parameter; 1: fp32 master; 2: split master; 3: split8 master), the ``m``/``v`` moment encodings and its
 switches (``l2``: Adam's L2 decay, ``scale``: a gradient scale, ``per-tensor``: per-tensor step
 counts, ``state-in-table``: FSDP2 shards' own state, ``aligned``: 16-byte loads and stores, the
 launches of nearly every model; ``rows``: a launch with rows that end in a short block, each block's
-row found by a division). The closing summary gives the four state modes' counts for bf16
+row found by a division). The closing summary gives the five state modes' counts for bf16
 parameters with float32 gradients (GradScaler's) against a target per mode: the low-memory-state
 issue's (2026-12-01; ``over`` marks a miss, which fails nothing here).
 """
@@ -61,11 +61,12 @@ LANE_INSTRUCTIONS_PER_S = 132 * 4 * 32 * 1.98e9
 
 def bytes_per_element(const: dict) -> float:
     """Bytes one element's update reads and writes: parameter (read, write), gradient (read), master
-    (fp32: 4 + 4; split: the remainder's two bytes, both ways, and a tie byte per block), moments (fp32
+    (fp32: 4 + 4; split: the remainder's two bytes, both ways, and a tie byte per block; split8: one byte,
+    both ways), moments (fp32
     4 + 4, bf16 2 + 2, uint8 1 + 1 and a scale byte per block, both ways)."""
     block = kernel.BLOCK
     total = 2 * _SIZE[const["P_DTYPE"]] + _SIZE[const["G_DTYPE"]]
-    total += {0: 0.0, 1: 8.0, 2: 4.0 + 2.0 / block}[const["MASTER"]]
+    total += {0: 0.0, 1: 8.0, 2: 4.0 + 2.0 / block, 3: 2.0}[const["MASTER"]]
     for kind in (const["M_KIND"], const["V_KIND"]):
         total += {0: 8.0, 1: 4.0, 2: 2.0 + 2.0 / block}[kind]
     return total
@@ -142,13 +143,16 @@ def variants():
         if (pdt == tl.float32) != (master == 0):
             continue  # float32 parameters have no master; half ones in buckets always have one
         yield dict(plain, P_DTYPE=pdt, MASTER=master, M_KIND=mk, V_KIND=vk)
+    for mk, vk in itertools.product((0, 1, 2), (0, 1, 2)):  # split8 masters: bfloat16 parameters only
+        yield dict(plain, P_DTYPE=tl.bfloat16, MASTER=3, M_KIND=mk, V_KIND=vk)
     base = dict(plain, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2)
     yield dict(base, L2=True, OPTIMIZED=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10)
     yield dict(base, MASTER=1, M_KIND=1, V_KIND=1, HAS_SCALE=True, STATE_IN_TABLE=True)
-    for master, kinds in ((1, 0), (2, 2)):  # a launch with a tensor of a size or address not a multiple of 8 / 16 B
+    for master, kinds in ((1, 0), (2, 2), (3, 2)):  # a launch with a tensor of a size or address not a multiple of 8 / 16 B
         yield dict(plain, P_DTYPE=tl.bfloat16, MASTER=master, M_KIND=kinds, V_KIND=kinds, ALIGNED=False)
     rows = dict(plain, ALIGNED=False, ROWS=True)  # (never aligned: rows start anywhere)
     for pdt, master, kinds in ((tl.bfloat16, 2, 0), (tl.bfloat16, 2, 1), (tl.bfloat16, 2, 2), (tl.bfloat16, 1, 2),
+                               (tl.bfloat16, 3, 2),
                                (tl.float16, 2, 2), (tl.float32, 0, 2)):
         yield dict(rows, P_DTYPE=pdt, MASTER=master, M_KIND=kinds, V_KIND=kinds)
     yield dict(rows, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2, STATE_IN_TABLE=True)
@@ -156,7 +160,8 @@ def variants():
 
 #: The state modes' variants for bf16 parameters (float32 gradients, as GradScaler hands them over) and
 #: their instruction budgets per element (the low-memory-state issue's targets, 2026-12-01)
-MODES = {"fp32": ((1, 0, 0), 130), "split": ((2, 0, 0), 150), "bf16": ((2, 1, 1), 110), "compact": ((2, 2, 2), 110)}
+MODES = {"fp32": ((1, 0, 0), 130), "split": ((2, 0, 0), 150), "bf16": ((2, 1, 1), 110), "compact": ((2, 2, 2), 110),
+         "tiny": ((3, 2, 2), 110)}
 
 
 def check(arch: int) -> int:

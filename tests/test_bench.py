@@ -64,7 +64,7 @@ def test_bench_state_modes_are_the_presets():
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--dtypes", "fp8"], "--dtypes: unknown dtype 'fp8' (choose from fp16, bf16, fp32)"),
         (["--impls", "magic"], "--impls: unknown implementation 'magic'"),
-        (["--state-modes", "tiny"], "--state-modes: unknown state mode 'tiny'"),
+        (["--state-modes", "mini"], "--state-modes: unknown state mode 'mini'"),
     ],
 )
 def test_bad_options_are_one_line_exit_2(argv, expected, capsys, monkeypatch):

@@ -83,7 +83,7 @@ def expected_load(source_model, source_opt, mode):
 
 
 # ------------------------------------------------------------------------------ what a load gives
-@pytest.mark.parametrize("mode", ["compact", "fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["compact", "fp32", "bf16", "tiny"])
 def test_load_is_the_single_process_load_in_any_mode(saved, mode):
     path, source_model, source_opt = saved
     model, opt = make(mode, seed=1)

@@ -33,14 +33,15 @@ MODES = {
     "split": dict(state_mode="split"),
     "bf16": dict(state_mode="bf16"),
     "compact": dict(state_mode="compact"),
+    "tiny": dict(state_mode="tiny"),
     "mixed": dict(state_mode="compact", exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=False),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CASES = [(mode, dtype) for mode in MODES for dtype in DTYPES]
 #: checkpoints loaded into optimizers of another mode (bf16 parameters)
-CROSS = [("compact", mode) for mode in MODES if mode != "compact"] + [("fp32", "compact"), ("split", "bf16")]
+CROSS = [("compact", mode) for mode in MODES if mode != "compact"] + [("fp32", "compact"), ("split", "bf16"), ("tiny", "fp32")]
 #: bf16 runs converted between steps (model.to(dtype)) on 2 and 4 ranks: uneven shards, split masters
-CONVERTED = [(mode, dtype) for mode in ("split", "bf16", "compact") for dtype in ("fp16", "fp32")]
+CONVERTED = [(mode, dtype) for mode in ("split", "bf16", "compact", "tiny") for dtype in ("fp16", "fp32")]
 
 
 def make_model(dtype):

@@ -61,7 +61,7 @@ def _bits(t):
 
 # ============================================================================ 1. non-finite values
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact"])
+@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
 def test_a_nonfinite_gradient_poisons_its_element_only(mode, bad):
     """bf16 parameters, no scaler: a nan/inf gradient element at step 2 of 5 makes that element's master
     nan (as torch.optim.AdamW: inf/inf), every implementation takes every step, and every other block
@@ -257,7 +257,7 @@ def test_written_zeros_keep_the_fp32_modes_signs(dtype, impl):
 
 
 @pytest.mark.parametrize("which", ["weight", "bias"])
-@pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
+@pytest.mark.parametrize("mode", ["split", "bf16", "compact", "tiny"])
 def test_float_after_half_steps_is_the_master(mode, which):
     """model.float() after bf16 steps: the fp32 parameter is the master the optimizer trained, bit for
     bit (bf16 -> fp32 is exact and the remainder is kept); for the weight (rows of whole blocks: a split
@@ -270,7 +270,7 @@ def test_float_after_half_steps_is_the_master(mode, which):
             p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         opt.step()
     p = getattr(lin, which)
-    assert ("master_lo" if which == "weight" else "master_weight") in opt.state[p]  # split; 1-D: fp32
+    assert ("master_hi" if which == "weight" else "master_weight") in opt.state[p]  # split(8); 1-D: fp32
     m = opt.master_weight(p).clone()
     assert not torch.equal(m, p.float())  # the master has bits the parameter lacks
     lin.float()

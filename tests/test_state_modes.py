@@ -29,7 +29,7 @@ import halfadam
 from halfadam import encodings as E
 from halfadam.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
-MODES = ("fp32", "split", "bf16", "compact")
+MODES = ("fp32", "split", "bf16", "compact", "tiny")
 IMPLS = ("reference", "foreach", "fused", "cpp")
 HALF = (torch.bfloat16, torch.float16)
 CPU = torch.device("cpu")
@@ -41,10 +41,11 @@ FUSED_SKIP = "compiles another fused variant; HALFADAM_TEST_ALL_FUSED=1 runs it"
 
 #: Hand-derived bytes of state per element of a half parameter whose numel is a multiple of 128:
 #: fp32: master 4 + moments 4 + 4; split: int16 remainder 2 + 1 tie byte per 128 + 4 + 4;
-#: bf16: 2 + 1/128 + 2 + 2; compact: 2 + 1/128 + uint8 1 + 1 + two uint8 scales per 128 (2/128).
-HALF_BYTES = {"fp32": 12.0, "split": 10 + 1 / 128, "bf16": 6 + 1 / 128, "compact": 4 + 3 / 128}
+#: bf16: 2 + 1/128 + 2 + 2; compact: 2 + 1/128 + uint8 1 + 1 + two uint8 scales per 128 (2/128);
+#: tiny (a bfloat16 parameter): int8 remainder 1 + compact's moments 2 + 2/128.
+HALF_BYTES = {"fp32": 12.0, "split": 10 + 1 / 128, "bf16": 6 + 1 / 128, "compact": 4 + 3 / 128, "tiny": 3 + 2 / 128}
 #: The same for a float32 parameter (no master; split is then plain fp32 state).
-FP32_BYTES = {"fp32": 8.0, "split": 8.0, "bf16": 4.0, "compact": 2 + 2 / 128}
+FP32_BYTES = {"fp32": 8.0, "split": 8.0, "bf16": 4.0, "compact": 2 + 2 / 128, "tiny": 2 + 2 / 128}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -560,15 +561,21 @@ def test_uint8_exp_avg_sq_nonzero_never_encodes_to_zero():
         assert torch.equal(E._decode_moment(torch.uint8, "exp_avg_sq", st) == 0, x == 0), seed
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["column", "scattered"])
 @pytest.mark.parametrize("small", [1e-2, 1e-3, 1e-4])
-@pytest.mark.parametrize("mode", ["compact", "bf16"])
-def test_small_element_beside_large_ones_moves_as_in_fp32(mode, small):
+@pytest.mark.parametrize("mode", ["compact", "bf16", "tiny"])
+def test_small_element_beside_large_ones_moves_as_in_fp32(mode, small, scatter):
     """One element with a small gradient in each block of large ones, whose gradient then stops: its
     weight must keep moving as under fp32 AdamW (m / sqrt(v) with both decaying), within 5% (the mean
     over 64 blocks, whose random bits differ: the codes' rounding is unbiased, not exact). Codes that
     round its exp_avg_sq to 0 while its exp_avg is not (FlashOptim's linear sqrt(v) codes) make the
-    step m / eps; codes clamping it far up stop it early."""
+    step m / eps; codes clamping it far up stop it early. ``scattered``: the small element in another
+    column of each row, not a whole column (a factored exp_avg_sq, row x column statistics, passes
+    the column case and stops the scattered one: docs/research/small-state). Its bound is 8%: over four
+    draws of the columns compact's mean ratio spans 0.97..1.07 (the failures measured: 0.01-0.6, or 19)."""
     torch.manual_seed(0)
+    cols = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(0)) if scatter else torch.full((64,), 7)
+    rows = torch.arange(64)
     w0 = torch.randn(64, 128) * 0.1 + 1.0
     ref = torch.nn.Parameter(w0.clone())
     p = torch.nn.Parameter(w0.to(torch.bfloat16))
@@ -578,16 +585,16 @@ def test_small_element_beside_large_ones_moves_as_in_fp32(mode, small):
     g = torch.Generator().manual_seed(1)
     for step in range(on + off):
         grad = 1.0 + 0.1 * torch.randn(64, 128, generator=g)
-        grad[:, 7] = small if step < on else 0.0
+        grad[rows, cols] = small if step < on else 0.0
         ref.grad, p.grad = grad.clone(), grad.to(torch.bfloat16)
         opt_ref.step()
         opt.step()
         if step == on - 1:
-            start = ref[:, 7].detach().clone(), opt.master_weight(p)[:, 7].clone()
-    moved_ref, moved = ref[:, 7].detach() - start[0], opt.master_weight(p)[:, 7] - start[1]
+            start = ref[rows, cols].detach().clone(), opt.master_weight(p)[rows, cols].clone()
+    moved_ref, moved = ref[rows, cols].detach() - start[0], opt.master_weight(p)[rows, cols] - start[1]
     assert (moved_ref < -5 * lr).all()  # it keeps moving after its gradient stops, about 10 steps' worth
     assert (moved < 0).all()
-    assert (moved / moved_ref).mean().item() == pytest.approx(1.0, abs=0.05)
+    assert (moved / moved_ref).mean().item() == pytest.approx(1.0, abs=0.08 if scatter else 0.05)
 
 
 @pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
@@ -728,6 +735,7 @@ TORCH_BOUNDS = {
     "split": (2e-6, 1e-6, 1e-6, 1e-6),
     "bf16": (6e-3, 5e-2, 6e-2, 1e-3),
     "compact": (8e-2, 1.5e-1, 5e-1, 5e-3),
+    "tiny": (8e-2, 1.5e-1, 5e-1, 5e-3),
 }
 MEASURED = {}
 
@@ -820,13 +828,13 @@ def test_state_bytes_per_element(mode, impl):
         n = p.numel()
         if _blocked(p):  # the mode's encodings: no padding, the per-block bytes once per block
             element_bytes = {"fp32": 12 if half else 8, "split": 10 if half else 8,
-                             "bf16": 6 if half else 4, "compact": 4 if half else 2}[mode]
+                             "bf16": 6 if half else 4, "compact": 4 if half else 2, "tiny": 3 if half else 2}[mode]
             per_block = round(((HALF_BYTES if half else FP32_BYTES)[mode] - element_bytes) * 128)
             assert nbytes == element_bytes * n + per_block * _blocks(p), (p.shape, mode)
             if n % 128 == 0 and _blocks(p) == n // 128:
                 assert nbytes / n == (HALF_BYTES if half else FP32_BYTES)[mode], (p.shape, mode)
         else:  # an fp32 master (half parameters) and float32 moments; bfloat16 moments stay: no per-block bytes
-            moments = {"fp32": 8, "split": 8, "bf16": 4, "compact": 8}[mode]
+            moments = {"fp32": 8, "split": 8, "bf16": 4, "compact": 8, "tiny": 8}[mode]
             assert nbytes == ((4 if half else 0) + moments) * n, (p.shape, mode)
 
 
@@ -955,7 +963,7 @@ def test_checkpoint_resume_is_bit_for_bit(mode, impl):
     saved = torch.load(state, weights_only=True)
     keys = set(saved["state"][0])  # the first weight: the mode's keys
     assert keys == ({"step"} | set(E.element_keys(E.PRESETS[mode], True)) | set(E.block_keys(E.PRESETS[mode], True))
-                    | ({"remainder_dtype"} if E.PRESETS[mode].master == "split" else set()))
+                    | ({"remainder_dtype"} if E.PRESETS[mode].master != "fp32" else set()))
     # its bias (1-D): an fp32 master and float32 moments in place of the per-block encodings
     assert set(saved["state"][1]) == {"step"} | set(E.element_keys(_fallback(E.PRESETS[mode]), True))
     assert saved["state"][1]["exp_avg"].dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
@@ -974,7 +982,7 @@ def _cross_source(mode):
 
 #: Bounds on max |master - uninterrupted master| after loading in another mode and K_MORE steps, by the
 #: lossier of the two modes (measured: bf16 1.1e-4, compact 5.5e-4).
-CROSS_BOUNDS = {"fp32": 0.0, "split": 0.0, "bf16": 5e-4, "compact": 3e-3}
+CROSS_BOUNDS = {"fp32": 0.0, "split": 0.0, "bf16": 5e-4, "compact": 3e-3, "tiny": 3e-3}
 
 
 @pytest.mark.parametrize("saved_mode", MODES)
@@ -1429,7 +1437,7 @@ def test_groups_may_repeat_the_state_format_but_not_change_it():
     with pytest.raises(ValueError, match=r"param_groups\[0\] asks for the state format 'split'.*per optimizer"):
         halfadam.AdamW([{"params": [p], "state_mode": "split"}], state_mode="compact")
     with pytest.raises(ValueError, match=r"param_groups\[0\]: state_mode must be one of"):
-        halfadam.AdamW([{"params": [p], "state_mode": "tiny"}])
+        halfadam.AdamW([{"params": [p], "state_mode": "mini"}])
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -47,6 +47,11 @@ FORMATS = {
     "split+uint8-exp_avg+bf16-exp_avg_sq": dict(state_mode="split", exp_avg_dtype=torch.uint8,
                                                 exp_avg_sq_dtype=torch.bfloat16),
     "fp32+uint8-exp_avg_sq": dict(state_mode="fp32", exp_avg_sq_dtype=torch.uint8),
+    # split8 masters (bfloat16 parameters; float16 ones keep "split") over every moment kind
+    "tiny": dict(state_mode="tiny"),
+    "tiny+fp32-moments": dict(state_mode="tiny", exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32),
+    "tiny+bf16-moments": dict(state_mode="tiny", exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    "tiny+uint8-exp_avg+fp32-exp_avg_sq": dict(state_mode="tiny", exp_avg_sq_dtype=torch.float32),
 }
 
 
@@ -174,7 +179,8 @@ ROW_POISON = ((0, 2 * 200 + 150, math.nan), (6, 10 * 129 + 128, math.inf), (1, 4
 
 
 @pytest.mark.parametrize("mode, dtype", [(m, d) for m in ("compact", "bf16", "split")
-                                          for d in (torch.bfloat16, torch.float16)] + [("compact", torch.float32)],
+                                          for d in (torch.bfloat16, torch.float16)]
+                         + [("compact", torch.float32), ("tiny", torch.bfloat16)],
                          ids=lambda v: v if isinstance(v, str) else str(v)[6:])
 def test_rows_with_short_blocks_are_the_reference_bit_for_bit(mode, dtype):
     """Parameters whose rows end in a short block (the launch finds each block's row) beside rows of whole
@@ -195,14 +201,14 @@ def test_rows_with_short_blocks_are_the_reference_bit_for_bit(mode, dtype):
     assert_same_runs(ref, tri, mode)
     assert any(t.rows for t in tables)
     params, opt = tri
-    key = "master_tie" if dtype != torch.float32 else "exp_avg_scale"
+    key = "master_tie" if dtype != torch.float32 and mode != "tiny" else "exp_avg_scale"  # (split8: no tie byte)
     for p, shape in zip(params, ROW_SHAPES[:-1]):  # per-block state: (rows, blocks per row)
         assert opt.state[p][key].shape == (shape[0], -(-math.prod(shape[1:]) // 128)), shape
     for k, i, _ in ROW_POISON:  # each non-finite gradient made its element nan, and only it
         assert bool(params[k].view(-1)[i].isnan()) and int(params[k].isnan().sum()) == 1, (k, i)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "compact"])
+@pytest.mark.parametrize("mode", ["bf16", "compact", "tiny"])
 def test_shards_write_only_their_own_state(mode):
     """executions.shard_step (FSDP2's local shards: each tensor's own state tensors in the table) for a
     (7, 9) shard (rows of one short block; its first element at position 18 of its parameter), a (1, 200)
@@ -246,20 +252,21 @@ def test_shards_write_only_their_own_state(mode):
         sa, sb = runs["reference"][1][p], runs["triton"][1][q]
         assert sa.keys() == sb.keys()
         assert all(same_bits(sa[k], sb[k]) for k in sa), [k for k in sa if not same_bits(sa[k], sb[k])]
-    assert "master_tie" in runs["triton"][1][runs["triton"][0][0]]
+    keys = runs["triton"][1][runs["triton"][0][0]]
+    assert ("master_tie" in keys) == (mode != "tiny") and ("master_lo" in keys) == (mode != "tiny"), keys.keys()
     assert bool(runs["triton"][0][0].view(-1)[4 * 9 + 8].isnan())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("opt_name", ["adam-l2", "adamfp16-absolute", "adamfp16-not-optimized"])
-@pytest.mark.parametrize("mode", ["fp32", "compact"])
+@pytest.mark.parametrize("mode", ["fp32", "compact", "tiny"])
 def test_every_decay_mode_is_the_reference(mode, opt_name, dtype):
     cls, kw = OPTIMIZERS[opt_name]
     kw = dict(kw, state_mode=mode)
     assert_same_runs(_train("reference", dtype, cls, kw), _train("triton", dtype, cls, kw), opt_name)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact", "tiny"])
 def test_programs_and_the_gpus_tiles(mode, monkeypatch):
     """A parameter of more than a program's CHUNK elements (two programs, the second's from CHUNK on, its
     last tile partial) beside small ones, stepped in the GPU's tiles (BLOCKS_PER_TILE blocks; the
@@ -286,7 +293,7 @@ def test_gradient_dtypes(grad_dtype, mode):
         assert_same_runs(ref, _train("cpp", torch.bfloat16, kw=kw, grad_dtype=grad_dtype), grad_dtype)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact", "tiny"])
 def test_nonfinite_gradients_are_the_reference(mode):
     """A nan and an inf gradient: the reference's bits (uint8 blocks holding them included), only those
     elements non-finite."""
@@ -296,7 +303,7 @@ def test_nonfinite_gradients_are_the_reference(mode):
     assert_same_runs(ref, tri, mode)
     params, opt = tri
     assert [int(params[k].isnan().sum()) for k in (0, 2, 3)] == [1, 1, 1]
-    if mode == "compact":  # the reserved codes: after the inf gradient exp_avg_sq +inf, exp_avg nan (inf - inf
+    if mode in ("compact", "tiny"):  # the reserved codes: after the inf gradient exp_avg_sq +inf, exp_avg nan (inf - inf
         st = opt.state[params[2]]  # at the next step); after the nan gradient both nan
         assert int(st["exp_avg"].view(-1)[-1]) == E._NAN_CODE["exp_avg"]
         assert int(st["exp_avg_sq"].view(-1)[-1]) == E._INF_CODE["exp_avg_sq"]
@@ -324,12 +331,124 @@ def test_split_masters_at_the_bfloat16_overflow_edge():
     assert 0 < int(runs[1][0][0].isinf().sum()) < 256
 
 
+# ------------------------------------------------------------------------- split8 masters ("tiny")
+def _count_split8_paths(monkeypatch):
+    """Wrap encodings._split8_encode_ (the reference's) to count, over the step's calls, the elements whose
+    rounded remainder c is 128 over a finite nonzero parameter: ``bump`` (the parameter moves one bfloat16
+    value away from zero, c = -128) and ``clamp`` (at the largest finite magnitude: c = 127)."""
+    counts = {"bump": 0, "clamp": 0}
+    real = E._split8_encode_
+
+    def counting(master, param, hi, rounding):
+        if rounding is not None:
+            rounded = master.to(torch.bfloat16).float()
+            r = master.view(torch.int32) - rounded.view(torch.int32)
+            top = rounded.isfinite() & (rounded != 0) & (((r + rounding) >> 8) == 128)
+            at_max = rounded.abs() == torch.finfo(torch.bfloat16).max
+            counts["bump"] += int((top & ~at_max).sum())
+            counts["clamp"] += int((top & at_max).sum())
+        return real(master, param, hi, rounding)
+    monkeypatch.setattr(E, "_split8_encode_", counting)
+    return counts
+
+
+def test_split8_bump_and_the_largest_finite_clamp(monkeypatch):
+    """split8 masters stepped into the window below the midpoint above their parameter (c = 128): from
+    remainders c = 120..127 over bfloat16 values in [1, 2) and the largest finite one, both signs, with
+    steps away from zero of about 70-90 float32 ulps (a group's lr per binade), then one of about 350; the
+    parameters move one value away from zero (c = -128), at the largest magnitude c clamps to 127, and
+    masters crossing 0x7F7F8000 make the parameter inf: the reference's bits, each path taken."""
+    g = torch.Generator().manual_seed(5)
+    sign = torch.tensor([1.0, 1.0, -1.0, -1.0]).view(4, 1)
+    values = {"small": (1.0 + torch.randint(0, 128, (4, 128), generator=g) / 128.0) * sign,
+              "max": torch.finfo(torch.bfloat16).max * sign.expand(4, 128)}
+    lrs = {"small": 96 * 2.0 ** -23, "max": 96 * 2.0 ** 104}  # ~96 float32 ulps of each binade per unit step
+    hi = (127 - torch.arange(4 * 128) % 8).to(torch.int8).view(4, 128)
+    runs, counts = [], None
+    for impl in ("reference", "triton"):
+        if impl == "reference":
+            counts = _count_split8_paths(monkeypatch)
+        params = {k: torch.nn.Parameter(v.to(DEVICE, torch.bfloat16)) for k, v in values.items()}
+        opt = halfadam.AdamW([{"params": [params[k]], "lr": lrs[k]} for k in values], weight_decay=0.0,
+                             implementation=impl, state_mode="tiny")
+        opt.step(grads={p: torch.zeros_like(p) for p in params.values()})  # the state (a step of zero: no change)
+        for p in params.values():
+            assert torch.equal(opt.state[p]["master_hi"], torch.zeros_like(hi, device=DEVICE))
+            opt.state[p]["master_hi"].copy_(hi)
+        for t in range(4):
+            if t == 3:  # steps of 4 times more (about 350 ulps): masters across 0x7F7F8000, to inf
+                for group in opt.param_groups:
+                    group["lr"] *= 4
+            opt.step(grads={p: -p.detach().sign() for p in params.values()})  # away from zero
+        monkeypatch.undo()
+        runs.append((list(params.values()), opt))
+    assert_same_runs(*runs, "split8 bump")
+    assert counts["bump"] > 0 and counts["clamp"] > 0, counts
+    small, top = runs[1][0]
+    state = runs[1][1].state
+    assert bool((state[small]["master_hi"] == -128).any())
+    assert bool((small.detach().float().abs() >= 1.0).all())  # (moved away from zero only)
+    assert bool(top.isinf().any()) and bool(top.isfinite().any())
+    finite = top.isfinite()
+    assert bool((state[top]["master_hi"][~finite] == 0).all())
+    assert bool((state[top]["master_hi"][finite] == 127).any())
+
+
+@pytest.mark.parametrize("mode", ["tiny", "tiny+fp32-moments"])
+def test_split8_special_parameters_writes_and_nonfinite_gradients(mode):
+    """split8 masters over parameters of +-0, nan, +-inf, the largest finite and the smallest bfloat16
+    values, with stale remainders over them; nan and inf gradients; writes to the parameters between
+    steps (values, a zero of the other sign, inf, nan, a scaled row); rows of short blocks (a (8, 3, 3, 3)
+    conv weight, a (3, 5) one: unaligned) beside whole blocks: the reference's bits."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(4, 128), (8, 3, 3, 3), (3, 5)]
+    big = torch.finfo(torch.bfloat16).max
+    tiny = 2.0 ** -133  # bfloat16's smallest subnormal
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, big, -big, tiny, -tiny, 2.0 ** -126,
+                            -(2.0 ** -126), 1.0, -1.0])
+    runs = []
+    for impl in ("reference", "triton"):
+        g.manual_seed(11)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g).to(DEVICE, torch.bfloat16)) for s in shapes]
+        opt = halfadam.AdamW(params, lr=1e-2, weight_decay=0.1, implementation=impl, **FORMATS[mode])
+        opt.step(grads={p: torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for p in params})
+        with torch.no_grad():
+            for p in params:
+                flat = p.view(-1)
+                flat[:special.numel()] = special.to(DEVICE, torch.bfloat16)
+                stale = torch.randint(-128, 128, p.shape, generator=g).to(DEVICE, torch.int8)
+                opt.state[p]["master_hi"].copy_(stale)  # remainders over the special values too
+        for t in range(3):
+            grads = {p: torch.randn(p.shape, generator=g).to(DEVICE, torch.bfloat16) for p in params}
+            for p, (i, value) in zip(params, ((20, math.nan), (30, math.inf), (14, -math.inf))):
+                if t == 1:
+                    grads[p].view(-1)[i] = value
+            opt.step(grads=grads)
+            if t == 2:
+                break
+            with torch.no_grad():  # writes between steps over live remainders
+                for p in params:
+                    flat = p.view(-1)
+                    flat[40 % flat.numel()] = 0.5
+                    flat[41 % flat.numel()] = -0.0
+                    flat[(43 + t) % flat.numel()] = math.inf if t != 1 else math.nan
+                    flat[: flat.numel() // 3] *= 2.0
+        runs.append((params, opt))
+    assert_same_runs(*runs, mode)
+    params, opt = runs[1]
+    for p in params:
+        st = opt.state[p]
+        assert "master_hi" in st and "master_lo" not in st and "master_tie" not in st
+        nonfinite = ~p.isfinite() | (p == 0)
+        assert bool(nonfinite.any()) and bool((st["master_hi"][nonfinite] == 0).all())
+
+
 def test_master_sync_and_tied_parameters():
     """A tied weight (one parameter used twice) and writes between steps (p.data[...] = x, a zero of the
-    other sign): the next step starts from them, as the reference's does, in fp32 and split masters."""
+    other sign): the next step starts from them, as the reference's does, in fp32, split and split8 masters."""
     out = {}
     for impl in ("reference", "triton"):
-        for mode in ("fp32", "split"):
+        for mode in ("fp32", "split", "tiny"):
             torch.manual_seed(0)
             emb = torch.nn.Embedding(40, 16).to(DEVICE, torch.bfloat16)
             head = torch.nn.Linear(16, 40, bias=False).to(DEVICE, torch.bfloat16)
@@ -347,7 +466,7 @@ def test_master_sync_and_tied_parameters():
                     emb.weight[t, :4] = 0.5
                     emb.weight[t + 1, 0] = -0.0
             out[impl, mode] = (emb.weight.detach().clone(), opt.master_weight(emb.weight).clone())
-    for mode in ("fp32", "split"):
+    for mode in ("fp32", "split", "tiny"):
         (w, m), (wr, mr) = out["triton", mode], out["reference", mode]
         assert torch.equal(_bits(w), _bits(wr)) and torch.equal(_bits(m), _bits(mr)), mode
 
@@ -630,7 +749,7 @@ def _capturable_run(capturable, mode, skip_at=2, steps=4, scaler=False):
     return params, opt
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "compact", "tiny"])
 def test_capturable_is_the_ordinary_step_bit_for_bit(mode):
     """capturable=True (step counts on the device, per-parameter coefficients computed there, found_inf
     read by the kernel) gives the bits of capturable=False, diverged step counts and a skipped step
@@ -721,14 +840,15 @@ def test_every_variant_compiles_for_the_gpu_with_ieee_arithmetic():
                           "triton_compile_check.py")
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "triton_compile_check: 0 failure(s)" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-    # 45 formats x dtypes, 2 switches, 2 launches of unaligned tensors, 7 of rows that end in a short block
-    assert sum(line.startswith("ok   ") for line in out.stdout.splitlines()) == 56
+    # 45 formats x dtypes and 9 split8 ones, 2 switches, 3 launches of unaligned tensors, 8 of rows that end
+    # in a short block
+    assert sum(line.startswith("ok   ") for line in out.stdout.splitlines()) == 67
     # the static speed of every variant, and per state mode: compact's 8-bit codes cost more instructions
     # than the fp32 state's plain loads (the low-memory-state issue's measure)
     assert all("instr/element" in line for line in out.stdout.splitlines() if line.startswith("ok   "))
     modes = {line.split()[0]: float(line.split()[1]) for line in out.stdout.split("time on an H200:\n")[1]
              .splitlines() if line.startswith("  ")}
-    assert modes.keys() == {"fp32", "split", "bf16", "compact"}
+    assert modes.keys() == {"fp32", "split", "bf16", "compact", "tiny"}
     assert 50 < modes["fp32"] < modes["split"] < modes["compact"] and modes["bf16"] < modes["compact"], modes
 
 

@@ -107,7 +107,7 @@ def _describe_case(case: Dict[str, Any]) -> Optional[str]:
     shape = case["shapes"][0]
     if len(shape) == 1:
         return (f"{case['name']}: {case['tensors']} 1-D tensors of {shape[0]} elements, fewer than a block: the "
-                f"split, bf16 and compact modes keep float32 fields for them (12 B/param)")
+                f"split, bf16, compact and tiny modes keep float32 fields for them (12 B/param)")
     if case["asked"] != case["numel"]:
         return (f"{case['name']}: {case['numel']:,} parameters ({case['asked']:,} asked), {case['tensors']} "
                 f"matrices of {shape[0]} rows of {shape[1]} elements (rows of whole {BLOCK}-element blocks)")
@@ -389,7 +389,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "CPU where it builds, triton on CUDA where triton imports, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else _names(s),
                         default=["fp32", "compact"],
-                        help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact or all "
+                        help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact,tiny or all "
                              "(default fp32,compact); 'x fp32 state' is each row's time over the fp32-state one")
     parser.add_argument("--warmup", type=nonnegative_int, default=2,
                         help="untimed rounds (default 2; the first compiles)")

@@ -323,7 +323,7 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
     if fmt == opt.state_format and not staging:
         return opt
     groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
-    layout = type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master == "split",
+    layout = type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master != "fp32",
                        exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
     layout.state_format = fmt  # the codes of 2026-12-01 (fmt.legacy): only loaded into, then converted
     return layout
@@ -361,7 +361,8 @@ def _saved_format(saved: Dict[str, Any]) -> Any:
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    return StateFormat("split" if "master_hi" in fields else "fp32", moment("exp_avg"), moment("exp_avg_sq"),
+    master = "split" if "master_lo" in fields else "split8" if "master_hi" in fields else "fp32"
+    return StateFormat(master, moment("exp_avg"), moment("exp_avg_sq"),
                        legacy=any(f"{name}_absmax" in fields for name in ("exp_avg", "exp_avg_sq")))
 
 

@@ -15,6 +15,8 @@ master weight      ``"split"``: ``master_hi`` (int8),   2 + 1/128          bf16:
                    ``master_lo`` (uint8): a 16-bit                        masters in fp16's normal range (one
                    remainder; ``master_tie`` (uint8                       tie per block, see below)
                    per block)
+master weight      ``"split8"``: ``master_hi`` (int8):  1                  no: bf16 parameter + 8 bits, rounded
+                   an 8-bit remainder                                     stochastically (float16: ``"split"``)
 exp_avg            ``float32``: ``exp_avg``             4                  yes
 exp_avg            ``bfloat16``                         2                  no: stochastic rounding
 exp_avg            ``uint8``: codes + ``exp_avg_scale``   1 + 1/128        no: sign + a tapered 7-bit float
@@ -25,7 +27,8 @@ exp_avg_sq         ``uint8``: codes + ``..._scale``       1 + 1/128        no: a
 =================  =================================  =================  ======================================
 
 Presets (:data:`PRESETS`), for a float16/bfloat16 parameter: ``"fp32"`` 12 B (the default),
-``"split"`` 10.01 B, ``"bf16"`` 6.01 B, ``"compact"`` 4.02 B. float32 parameters have no master
+``"split"`` 10.01 B, ``"bf16"`` 6.01 B, ``"compact"`` 4.02 B, ``"tiny"`` 3.02 B (split8 and compact's
+moments). float32 parameters have no master
 (the parameter is the weight) and use the moment encodings; float64 parameters keep float64 state.
 
 The encodings:
@@ -55,6 +58,18 @@ The encodings:
   master where the conversion kept the parameter's value (:meth:`halfadam.state.ParamStates.conform`):
   ``model.float()`` makes each parameter its master, bit for bit; fp16 -> bf16 restarts it from the
   parameter (the remainder was over the fp16 value).
+* **split8 master** (bfloat16 parameters; float16 ones keep ``"split"``): the split's 16-bit
+  remainder rounded to its upper byte ``c`` (int8), so the master is the parameter's bit pattern plus
+  ``256 c``: 24 significant bits, as FlashOptim's 24-bit master weights (Databricks, 2026, arXiv
+  2602.23349). Unlike theirs, ``c`` is rounded **stochastically** in the step (8 more random bits per
+  element, :func:`_master_bits`): rounded to nearest, an update below half the remainder's resolution
+  (2**-9 of a bfloat16 ulp: 1.5e-5 at a weight of 1.0) never lands, and at lr 1e-5 more than half of such masters
+  never move (measured: docs/research/small-state); stochastically rounded it lands in expectation. A
+  ``c`` of 128 (the master at the midpoint above the parameter) moves the parameter one value away
+  from zero with ``c = -128``, and ``c = -128`` decodes one float32 ulp above that midpoint (2**-16 of
+  a bf16 ulp: the only bias, far below the remainder's resolution), so every decoded master rounds to
+  its parameter (no tie byte). Writes to the parameter: the decoded master
+  is the written value plus the old remainder, as for the split (:func:`_split8_decode`).
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
@@ -87,7 +102,7 @@ The encodings:
 
 Random bits are a hash of the element's position in its parameter (its index in the flattened
 parameter) and the step, one 32-bit hash per element and step: ``exp_avg`` rounds with its upper
-16 bits, ``exp_avg_sq`` with its lower 16 (no generator state, nothing computed): every execution
+16 bits, ``exp_avg_sq`` with its lower 16, a split8 master with 8 bits of one more round (no generator state, nothing computed): every execution
 draws the same bits, float32 values that differ by an ulp between two executions round with the
 same bits, a resumed run continues bitwise, and a shard that knows its offset draws its elements'
 bits. (Elements at the same position of two parameters of one step draw the same bits.)
@@ -132,14 +147,14 @@ __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "b
 #: Elements per quantization block (per-block keys have one entry per block).
 BLOCK = 128
 
-MASTER_ENCODINGS = ("fp32", "split")
+MASTER_ENCODINGS = ("fp32", "split", "split8")
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 _HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class StateFormat:
-    """The encoding of each kind of state: ``master`` ("fp32" or "split"), ``exp_avg`` and
+    """The encoding of each kind of state: ``master`` ("fp32", "split" or "split8"), ``exp_avg`` and
     ``exp_avg_sq`` (torch.float32, torch.bfloat16 or torch.uint8)."""
 
     master: str = "fp32"
@@ -152,8 +167,8 @@ class StateFormat:
 
     @property
     def stochastic(self) -> bool:
-        """Whether some moment rounds stochastically (every bfloat16 or uint8 one)."""
-        return self.exp_avg != torch.float32 or self.exp_avg_sq != torch.float32
+        """Whether some field rounds stochastically (every bfloat16 or uint8 moment, a split8 master)."""
+        return self.exp_avg != torch.float32 or self.exp_avg_sq != torch.float32 or self.master == "split8"
 
     @property
     def blocked(self) -> bool:
@@ -180,6 +195,7 @@ PRESETS: Dict[str, StateFormat] = {
     "split": StateFormat("split"),
     "bf16": StateFormat("split", torch.bfloat16, torch.bfloat16),
     "compact": StateFormat("split", torch.uint8, torch.uint8),
+    "tiny": StateFormat("split8", torch.uint8, torch.uint8),
 }
 
 
@@ -248,6 +264,8 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     if param.dtype == torch.float64:
         return StateFormat()
     master = fmt.master if use_master and param.dtype in _HALF else "fp32"
+    if master == "split8" and param.dtype != torch.bfloat16:
+        master = "split"  # an 8-bit remainder is over bfloat16 parameters; float16 keeps 16 bits
     exp_avg, exp_avg_sq = fmt.exp_avg, fmt.exp_avg_sq
     if not has_rows(tuple(param.shape)):
         master = "fp32"
@@ -268,6 +286,7 @@ def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     keys: Dict[str, torch.dtype] = {}
     if has_master:
         keys.update({"master_weight": torch.float32} if fmt.master == "fp32"
+                    else {"master_hi": torch.int8} if fmt.master == "split8"
                     else {"master_hi": torch.int8, "master_lo": torch.uint8})
     keys["exp_avg"] = fmt.exp_avg
     keys["exp_avg_sq"] = fmt.exp_avg_sq
@@ -353,6 +372,12 @@ _SALT = 0x1B873593
 def _moment_bits(bits: Tensor, name: str) -> Tensor:
     """The 16 random bits (int64 in [0, 2**16)) of moment ``name`` in an element's 32 (:func:`_random_bits`)."""
     return bits >> 16 if name == "exp_avg" else bits & 0xFFFF
+
+
+def _master_bits(bits: Tensor) -> Tensor:
+    """The 8 random bits (int32 in [0, 256)) of a split8 master: one more xor-shift-multiply round of the
+    element's 32 (:func:`_random_bits`), its upper byte (so not any of the moments' bits)."""
+    return ((((bits ^ (bits >> 16)) * 0x7FEB352D) & _MASK32) >> 24).to(torch.int32)
 
 
 #: The key of the per-block int32 index of each block within its parameter, passed to
@@ -542,6 +567,47 @@ def _split_encode_(master: Tensor, param: Tensor, hi: Tensor, lo: Tensor, tie: T
     lo.copy_((r & 255).to(torch.uint8))
 
 
+#: The largest finite bfloat16's float32 bit pattern (its magnitude).
+_BF16_MAX_BITS = 0x7F7F0000
+
+
+def _split8_decode(param: Tensor, hi: Tensor) -> Tensor:
+    """The fp32 master from flat bfloat16 ``param`` and its 8-bit remainder ``hi`` (int8, ``c``): the
+    bit pattern ``bits(param) + 256 c`` (one more where ``c = -128``: the master then lies just above
+    the midpoint below ``param``, so that it rounds to it). Every such master rounds to ``param``, so a
+    value written to the parameter decodes as itself plus the old remainder (within half an ulp); over
+    a parameter of +-0, nan or +-inf the parameter's value is taken (no remainder is kept over them)."""
+    c = hi.to(torch.int32)
+    p32 = param.to(torch.float32)
+    master = (_bits(param) + c * 256 + (c == -128).to(torch.int32)).view(torch.float32)
+    return torch.where(p32.isfinite() & (p32 != 0), master, p32)
+
+
+def _split8_encode_(master: Tensor, param: Tensor, hi: Tensor, rounding: Optional[Tensor]) -> None:
+    """Store the flat fp32 ``master`` over bfloat16 ``param`` as an 8-bit remainder in ``hi`` (int8).
+
+    The step (``rounding``: 8 random bits per element, :func:`_master_bits`) writes ``round(master)``
+    (nearest even) into ``param`` and rounds the 16-bit remainder ``r`` (:func:`_split_remainder`, in
+    [-2**15, 2**15]) stochastically, ``c = floor((r + rounding) / 256)``: unbiased in value, so updates
+    below the remainder's resolution (2**-8 of an ulp) land in expectation. A ``c`` of 128 (the master
+    at or just below the midpoint above ``param``) moves the parameter one bfloat16 value away from
+    zero with ``c = -128`` (the same master but for the decode's one float32 ulp; at the largest finite
+    bfloat16 it is 127). Without
+    ``rounding`` (a checkpoint load, a format conversion: ``param`` holds ``round(master)`` and is not
+    changed) the remainder is rounded to nearest, ``c = min(floor((r + 128) / 256), 127)``. ``c = 0``
+    over a parameter of +-0, nan or +-inf."""
+    if rounding is not None:
+        param.copy_(master.to(param.dtype))
+    p32 = param.to(torch.float32)
+    valid = p32.isfinite() & (p32 != 0)
+    c = (_split_remainder(master, param) + (128 if rounding is None else rounding)) >> 8
+    if rounding is not None:
+        bump = valid & (c == 128) & ((_bits(param) & 0x7FFFFFFF) != _BF16_MAX_BITS)
+        param.copy_(torch.where(bump, (_bits(param) + 65536).view(torch.float32), p32).to(param.dtype))
+        c = torch.where(bump, -128, c)
+    hi.copy_(torch.where(valid, c.clamp(max=127), 0).to(torch.int8))
+
+
 # ---------------------------------------------------------------------------------- moments
 def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], legacy: bool = False) -> Tensor:
     q = stored[name]
@@ -612,6 +678,8 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
     elif master == "fp32":
         weight = stored["master_weight"]
         sync_master_(weight, param)
+    elif master == "split8":
+        weight = _split8_decode(param, stored["master_hi"])
     else:
         weight = _split_decode(param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
     m = _decode_moment(exp_avg, "exp_avg", stored)
@@ -623,6 +691,8 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
     if param is not None:
         if master == "fp32":
             param.copy_(weight)
+        elif master == "split8":
+            _split8_encode_(weight, param, stored["master_hi"], _master_bits(bits))
         else:
             _split_encode_(weight, param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
 
@@ -641,7 +711,13 @@ def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Te
 
 def has_master(state: Dict[str, Tensor]) -> bool:
     """Whether ``state`` (a parameter's state, or flat buffers) holds a master weight, fp32 or split."""
-    return "master_weight" in state or "master_lo" in state
+    return "master_weight" in state or "master_hi" in state
+
+
+def has_remainder(state: Dict[str, Tensor]) -> bool:
+    """Whether ``state``'s master is a remainder over the parameter (a split or split8 master), so it
+    means a master only over the parameter's values in the dtype it was written for."""
+    return "master_hi" in state
 
 
 def is_block_key(key: str) -> bool:
@@ -723,6 +799,9 @@ def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tenso
     parameter wins), so the parameter keeps its value."""
     if "master_weight" in stored:
         stored["master_weight"].copy_(master)
+    elif "master_lo" not in stored:  # split8
+        sync_master_(master, flat_param)
+        _split8_encode_(master, flat_param, stored["master_hi"], None)
     else:
         sync_master_(master, flat_param)
         _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
@@ -760,6 +839,8 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
         elif "master_lo" in stored and param.dtype in _HALF:
             out["master_weight"] = _split_decode(flat_param, stored["master_hi"], stored["master_lo"],
                                                  stored["master_tie"])
+        elif "master_hi" in stored and param.dtype == torch.bfloat16:
+            out["master_weight"] = _split8_decode(flat_param, stored["master_hi"])
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if name in names:
             out[name] = _decode_moment(dtype, name, stored, fmt.legacy)
@@ -799,7 +880,8 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
     legacy = any(key in state for key in LEGACY_BLOCK_KEYS)
-    return StateFormat("split" if "master_lo" in state else "fp32", *dtypes, legacy=legacy)
+    master = "split" if "master_lo" in state else "split8" if "master_hi" in state else "fp32"
+    return StateFormat(master, *dtypes, legacy=legacy)
 
 
 def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,

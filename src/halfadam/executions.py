@@ -453,7 +453,9 @@ def _launch_grad_dtype(grads: List[Tensor], param_dtype: torch.dtype) -> torch.d
 def _master_kind(fmt: StateFormat, has_master: bool) -> int:
     """The Triton kernel's code for how the master is kept."""
     kernel = _triton()
-    return kernel.MASTER_NONE if not has_master else kernel.MASTER_FP32 if fmt.master == "fp32" else kernel.MASTER_SPLIT
+    if not has_master:
+        return kernel.MASTER_NONE
+    return {"fp32": kernel.MASTER_FP32, "split": kernel.MASTER_SPLIT, "split8": kernel.MASTER_SPLIT8}[fmt.master]
 
 
 def _triton():

@@ -470,10 +470,13 @@ class AdamW(_AdamBase):
         state_mode: how the state is stored (:mod:`halfadam.encodings`), per fp16/bf16 parameter:
             ``"fp32"`` (default: fp32 master, ``exp_avg``, ``exp_avg_sq``; 12 B), ``"split"`` (the
             master as the parameter plus a 16-bit remainder: bf16 training bit for bit the same;
-            10.008 B), ``"bf16"`` (split, bf16 moments with stochastic rounding; 6.008 B) or
-            ``"compact"`` (split, 8-bit block-wise moments; 4.02 B).
+            10.008 B), ``"bf16"`` (split, bf16 moments with stochastic rounding; 6.008 B),
+            ``"compact"`` (split, 8-bit block-wise moments; 4.02 B) or ``"tiny"`` (the master as a
+            bf16 parameter plus an 8-bit remainder rounded stochastically, 8-bit block-wise moments;
+            3.02 B; float16 parameters keep compact's 16-bit split). 1-D parameters keep float32
+            fields in every mode.
         store_param_remainders: overrides the preset's master field (Megatron's name): split
-            masters on/off; ``None`` (default) keeps the preset's.
+            masters (16-bit remainders) on/off; ``None`` (default) keeps the preset's.
         exp_avg_dtype: overrides the preset's ``exp_avg`` field (Megatron's name): ``torch.float32``,
             ``torch.bfloat16`` or ``torch.uint8`` (8-bit block-wise); ``None`` (default) keeps it.
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.

@@ -115,7 +115,7 @@ class ParamStates:
                 master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
                 # an fp32 master (a 1-D parameter) never depended on the old value
-                kept = (_converted_exactly(old_dtype, p) if "master_lo" in state
+                kept = (_converted_exactly(old_dtype, p) if encodings.has_remainder(state)
                         else torch.ones_like(p, dtype=torch.bool))
                 unwritten = kept & (p == master.to(old_dtype).to(p.dtype))
                 p.copy_(torch.where(unwritten, master.to(p.dtype), p))
@@ -303,7 +303,7 @@ class ParamStates:
         A split master (:mod:`halfadam.encodings`) needs no sync (it is decoded against the parameter);
         with ``decode`` it is decoded into a new float32 tensor, else ``None`` is returned."""
         state = self.init(param, group)
-        if "master_lo" in state:  # decoded on the local shard of a DTensor (FSDP2), sharded like it
+        if encodings.has_remainder(state):  # decoded on the local shard of a DTensor (FSDP2), sharded like it
             if not decode:
                 return None
             lp = local(param)

@@ -233,7 +233,7 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         for group, saved in zip(optimizer.param_groups, packed["param_groups"]):
             for p, pid in zip(group["params"], saved.get("params", ())):
                 st = state.get(pid) if isinstance(state, dict) else None
-                if isinstance(st, Mapping) and "master_lo" in st:  # a new dict: the live state stays as it is
+                if isinstance(st, Mapping) and encodings.has_remainder(st):  # a new dict: the live state stays as it is
                     state[pid] = {**st, REMAINDER_DTYPE: _dtype_name(p.dtype)}
     return packed
 
@@ -473,7 +473,7 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
     has_master = encodings.has_master(saved)
     if has_master and not use_master:
         raise CheckpointError(
-            f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_lo'}) "
+            f"{where}: the checkpoint has a master weight ({'master_weight' if 'master_weight' in saved else 'master_hi'}) "
             f"but this optimizer keeps none for this parameter "
             f"(master_weights={group['master_weights']!r}); build it with master_weights=True, or load the "
             f"fp32 weights with load_master_state_dict"
@@ -499,6 +499,9 @@ def _saved_format(saved: Dict[str, Any], p: Tensor, kind: str, remainder_dtype: 
     if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
         raise CheckpointError(f"{where}: the checkpoint has a split master (master_hi, master_lo), which needs a "
                               f"float16/bfloat16 parameter")
+    if fmt.master == "split8" and p.dtype != torch.bfloat16:
+        raise CheckpointError(f"{where}: the checkpoint has an 8-bit split master (master_hi alone), which needs a "
+                              f"bfloat16 parameter, got {_dtype_name(p.dtype)}")
     if fmt.master == "split" and remainder_dtype not in (None, _dtype_name(p.dtype)):
         raise CheckpointError(
             f"{where}: the checkpoint's split master holds remainders over a {remainder_dtype} parameter; "
@@ -720,7 +723,7 @@ def master_state_dict(optimizer: torch.optim.Optimizer, model: torch.nn.Module) 
     if not callable(getattr(optimizer, "sync_master_weights", None)):
         raise TypeError(f"master_state_dict needs a halfadam optimizer, got {type(optimizer).__name__}")
     optimizer.sync_master_weights()
-    masters = {id(p): optimizer.master_weight(p) if "master_lo" in st else st["master_weight"]
+    masters = {id(p): optimizer.master_weight(p) if encodings.has_remainder(st) else st["master_weight"]
                for p, st in optimizer.state.items() if encodings.has_master(st)}
     source = model.state_dict(keep_vars=True)
     out: "OrderedDict[str, Tensor]" = OrderedDict()

@@ -154,7 +154,7 @@ class ProtoMode(Mode):
 @dataclass(frozen=True)
 class CompactMode(Mode):
     def make_optimizer(self, param_groups, *, lr, weight_decay):
-        opt = halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay, state_mode="compact",
+        opt = halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay, state_mode=self.name,
                              implementation="reference")
         LAST_OPT[0] = opt
         return opt
@@ -163,8 +163,8 @@ class CompactMode(Mode):
 def get_mode(name: str) -> Mode:
     if name == "fp32":
         return MODES["fp32"]
-    if name == "compact":
-        return CompactMode(name, torch.bfloat16, "halfadam", None, "halfadam compact")
+    if name in ("compact", "tiny"):  # halfadam's own state modes
+        return CompactMode(name, torch.bfloat16, "halfadam", None, f"halfadam {name}")
     if name == "flashoptim":
         return ProtoMode(name, torch.bfloat16, "peer", None, "FlashAdamW 24-bit master", fmt=("flashoptim",))
     _, master, m, v = name.split(":")

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BYTES = {"fp32": "12 (fp32 param: 16)", "compact": "4.03", "flashoptim": "3.125"}
+BYTES = {"fp32": "12 (fp32 param: 16)", "compact": "4.03", "tiny": "3.02", "flashoptim": "3.125"}
 
 
 def rows(name):

@@ -86,6 +86,16 @@ _MODE_LIST = [
         "8-bit block-wise moments, about 4.02 bytes of state per parameter of a weight matrix or conv kernel",
         state_mode="compact",
     ),
+    Mode(
+        "bf16-halfadam-tiny",
+        torch.bfloat16,
+        "halfadam",
+        None,
+        "halfadam.AdamW(state_mode='tiny') on bfloat16 parameters: split8 master weights (bf16 + 8 bits, "
+        "stochastically rounded) and 8-bit block-wise moments, about 3.02 bytes of state per parameter of a "
+        "weight matrix or conv kernel",
+        state_mode="tiny",
+    ),
 ]
 
 #: All modes by name, in their canonical order (the default for ``--modes``).

@@ -70,6 +70,7 @@ _STYLE = {
     "fp16-halfadam": dict(color="tab:blue", ls="-"),
     "bf16-halfadam": dict(color="tab:green", ls=":"),
     "bf16-halfadam-compact": dict(color="tab:cyan", ls="-."),
+    "bf16-halfadam-tiny": dict(color="tab:gray", ls=(0, (3, 1, 1, 1))),
     # --peers (halfadam.cli.peers)
     "bf16-optimi-kahan": dict(color="tab:purple", ls="-."),
     "bf16-torchao-sr": dict(color="tab:brown", ls="-."),

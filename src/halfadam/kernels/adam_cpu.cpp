@@ -17,8 +17,10 @@
 //   master = w;  p = round(w)   (round to nearest even, as Tensor.copy_)
 //
 // State encodings (halfadam.encodings is their specification; the functions named there are mirrored
-// here bit for bit): the master is fp32 ("master_weight") or split ("master_hi" int8, "master_lo"
-// uint8, "master_tie" uint8 per block: encodings._split_decode / _split_encode_); each
+// here bit for bit): the master is fp32 ("master_weight"), split ("master_hi" int8, "master_lo"
+// uint8, "master_tie" uint8 per block: encodings._split_decode / _split_encode_) or split8
+// ("master_hi" alone, bfloat16 parameters: an 8-bit remainder rounded stochastically with 8 more
+// random bits of the element's hash, encodings._split8_decode / _split8_encode_ / _master_bits); each
 // moment is float32, bfloat16 (decoded exactly, encoded by stochastic rounding) or uint8: a small
 // float per element, in tiers of mantissa bits by binade, over one uint8 base exponent per block
 // ("exp_avg_scale", "exp_avg_sq_scale": encodings._TIERS, _block_base, _encode_magnitude,
@@ -26,7 +28,8 @@
 // codes" below, from which every table and shortcut here is derived).
 // The random bits of the stochastic rounding are one hash per element and step (encodings._random_bits
 // of the element's position in its parameter and the step): exp_avg takes its upper 16 bits,
-// exp_avg_sq its lower 16 (encodings._moment_bits), for bfloat16 and uint8 moments alike.
+// exp_avg_sq its lower 16 (encodings._moment_bits), for bfloat16 and uint8 moments alike; a split8
+// master the upper byte of one more round of it (encodings._master_bits).
 // Gradients are float32 or the parameter's dtype (adam_step converts any other floating dtype).
 //
 // Blocks (encodings.block_shape): each parameter is rows of row_length elements (the product of the
@@ -41,13 +44,14 @@
 // Each element is read and written once, in one loop written once for a "lane" type (the Lanes*
 // structs below): 16 lanes with AVX-512 (F and BW; DQ, VBMI and BF16 where there: vfpclassps, one
 // byte permute for the remainder's bytes, vcvtneps2bf16), 8 with AVX2 (and F16C), one at a time for
-// the tails and on other CPUs (set_lanes picks a narrower width, for tests). A split master's new
-// weights go through a buffer of one block, stored by a second loop once the block's lanes are done
-// (store_split): without the rounding and the remainder after them, and with the moments stored ahead
-// of the sqrt and divisions, more of the lanes' chains of those overlap (with encode_block inlined:
-// about 7% off the bf16 and compact steps on Zen 4). A uint8 moment's block is
-// decoded into a buffer of one block in L1 before the loop (whole blocks of codes that are all of a
-// tier's binades by the short path), updated there with the running extremes of its new values, and
+// the tails and on other CPUs (set_lanes picks a narrower width, for tests). A split (or split8)
+// master's new weights go through a buffer of one block, stored by a second loop once the block's
+// lanes are done (store_split, store_split8): without the rounding and the remainder after them, and
+// with the moments stored ahead of the sqrt and divisions, more of the lanes' chains of those overlap
+// (with encode_block inlined: about 7% off the bf16 and compact steps on Zen 4); a split8 master's
+// hashes go through a buffer of one block too (h_buf), computed once for its bits and the moments'.
+// A uint8 moment's block is decoded into a buffer of one block in L1 before the loop (whole blocks of
+// codes that are all of a tier's binades by the short path), updated there with the running extremes of its new values, and
 // encoded from there once the block is done (its scale is a maximum over it): with one hash per
 // element for both moments, by table lookups of the tier where the lanes have them (vpermt2d), by
 // the short path where no value of the block is subnormal for its base, nan or inf.
@@ -242,6 +246,8 @@ struct Lanes1 {
   static HA_INLINE F cvtif(I a) { return static_cast<float>(a); }
   static HA_INLINE I round_i(F a) { return static_cast<int32_t>(std::nearbyint(a)); }
   static HA_INLINE F load(const float* p) { return *p; }
+  static HA_INLINE I loadi(const int32_t* p) { return *p; }
+  static HA_INLINE void storei(int32_t* p, I x) { *p = x; }
   static HA_INLINE F load(const at::BFloat16* p) { return bits_to_float(static_cast<uint32_t>(p->x) << 16); }
   static HA_INLINE F load(const at::Half* p) { return c10::detail::fp16_ieee_to_fp32_value(p->x); }
   static HA_INLINE void store(float* p, F x) { *p = x; }
@@ -345,6 +351,8 @@ struct Lanes8 {
     return _mm256_cvtps_epi32(_mm256_round_ps(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static HA_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static HA_INLINE I loadi(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static HA_INLINE void storei(int32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
   static HA_INLINE F load(const at::BFloat16* p) {
     return fromb(sll(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   }
@@ -445,6 +453,8 @@ struct Lanes16 {
   static HA_INLINE F cvtif(I a) { return _mm512_cvtepi32_ps(a); }
   static HA_INLINE I round_i(F a) { return _mm512_cvt_roundps_epi32(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static HA_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  static HA_INLINE I loadi(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static HA_INLINE void storei(int32_t* p, I x) { _mm512_storeu_si512(p, x); }
   // bfloat16 -> float32: each 16-bit value into the upper half of its lane (one word permute, the
   // lower halves zeroed by the mask)
   static HA_INLINE I widen_hi16(__m256i h) {
@@ -863,38 +873,42 @@ inline Extremes extremes(const float* x, int64_t n) {
 }
 
 // Encode n values of one block (mx: exp_avg's new values, vx: exp_avg_sq's), writing n codes each and
-// the block's scale. One hash per element serves both moments.
-template <class L, bool M8, bool V8, bool NORMAL_M, bool NORMAL_V>
+// the block's scale. One hash per element serves both moments (HASHED: the elements' hashes are in
+// `hashes`, computed for a split8 master's rounding; else computed here).
+template <class L, bool M8, bool V8, bool NORMAL_M, bool NORMAL_V, bool HASHED = false>
 HA_INLINE void encode_lanes(const float* mx, const float* vx, uint8_t* mc, uint8_t* vc, int64_t n, const BlockCode& mb,
-                            const BlockCode& vb, uint32_t position0, uint32_t seed_term) {
+                            const BlockCode& vb, uint32_t position0, uint32_t seed_term, const int32_t* hashes = nullptr) {
   using I = typename L::I;
   const Encoder<L, true> me;
   const Encoder<L, false> ve;
   for (int64_t j = 0; j + L::W <= n; j += L::W) {
-    const I h = hash_at<L>(position0 + static_cast<uint32_t>(j), seed_term);
+    const I h = HASHED ? L::loadi(hashes + j) : hash_at<L>(position0 + static_cast<uint32_t>(j), seed_term);
     if (M8) L::store_u8(mc + j, encode_u8<L, true, NORMAL_M>(L::load(mx + j), h, mb, me));
     if (V8) L::store_u8(vc + j, encode_u8<L, false, NORMAL_V>(L::load(vx + j), h, vb, ve));
   }
 }
-template <class L, bool M8, bool V8>
+template <class L, bool M8, bool V8, bool HASHED = false>
 HA_INLINE void encode_block(const float* mx, const float* vx, uint8_t* mc, uint8_t* vc, int64_t n, Extremes me,
-                             Extremes ve, uint8_t* m_scale, uint8_t* v_scale, uint32_t position0, uint32_t seed_term) {
+                             Extremes ve, uint8_t* m_scale, uint8_t* v_scale, uint32_t position0, uint32_t seed_term,
+                             const int32_t* hashes = nullptr) {
   const Plan mp = M8 ? plan<true>(mx, n, me) : Plan{1, true}, vp = V8 ? plan<false>(vx, n, ve) : Plan{1, true};
   if (M8) *m_scale = static_cast<uint8_t>(mp.base);
   if (V8) *v_scale = static_cast<uint8_t>(vp.base);
   const BlockCode mb = BlockCode::of(mp.base), vb = BlockCode::of(vp.base);
   const int64_t body = L::W > 1 ? n / L::W * L::W : 0;
-  if (mp.normal && vp.normal) encode_lanes<L, M8, V8, true, true>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
-  else if (mp.normal) encode_lanes<L, M8, V8, true, false>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
-  else if (vp.normal) encode_lanes<L, M8, V8, false, true>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
-  else encode_lanes<L, M8, V8, false, false>(mx, vx, mc, vc, body, mb, vb, position0, seed_term);
+  const uint32_t p0 = position0, st = seed_term;
+  if (mp.normal && vp.normal) encode_lanes<L, M8, V8, true, true, HASHED>(mx, vx, mc, vc, body, mb, vb, p0, st, hashes);
+  else if (mp.normal) encode_lanes<L, M8, V8, true, false, HASHED>(mx, vx, mc, vc, body, mb, vb, p0, st, hashes);
+  else if (vp.normal) encode_lanes<L, M8, V8, false, true, HASHED>(mx, vx, mc, vc, body, mb, vb, p0, st, hashes);
+  else encode_lanes<L, M8, V8, false, false, HASHED>(mx, vx, mc, vc, body, mb, vb, p0, st, hashes);
   if (body < n)
-    encode_lanes<Lanes1, M8, V8, false, false>(mx + body, vx + body, mc + body, vc + body, n - body, mb, vb,
-                                               position0 + static_cast<uint32_t>(body), seed_term);
+    encode_lanes<Lanes1, M8, V8, false, false, HASHED>(mx + body, vx + body, mc + body, vc + body, n - body, mb, vb,
+                                                       position0 + static_cast<uint32_t>(body), seed_term,
+                                                       HASHED ? hashes + body : nullptr);
 }
 
 // ---------------------------------------------------------------- the step
-enum class Master { kNone, kFp32, kSplit };
+enum class Master { kNone, kFp32, kSplit, kSplit8 };
 
 struct Item {
   void* param;
@@ -908,7 +922,8 @@ struct Item {
 
 struct Step {
   float* master;            // fp32 master weights (Master::kFp32)
-  int8_t* master_hi;        // split master (Master::kSplit): remainder bytes and per-block tie lane + 1
+  int8_t* master_hi;        // split master (Master::kSplit): remainder bytes and per-block tie lane + 1;
+                            // split8 (Master::kSplit8): master_hi alone, the 8-bit remainder
   uint8_t* master_lo;
   uint8_t* master_tie;
   void* exp_avg;            // float32, bfloat16 or uint8 codes (MA), and the same for exp_avg_sq (MV)
@@ -939,7 +954,8 @@ struct Block {
   int32_t first_tie = -1;  // split: the first new remainder of +2**15 (encode)
   float* m_buf;            // uint8 moments: the block's values, decoded, then updated in place
   float* v_buf;
-  float* w_buf;            // split: the block's new weights (store_split stores them)
+  float* w_buf;            // split, split8: the block's new weights (store_split, store_split8 store them)
+  int32_t* h_buf;          // split8: the block's hashes, computed once for the master's and the moments' bits
   typename L::I m_max, m_min, v_max, v_min;  // ... and their new values' running extremes (Extremes)
 };
 
@@ -971,6 +987,25 @@ HA_INLINE void store_moment(void* state, int64_t e, typename L::F x, typename L:
   }
 }
 
+// ---------------------------------------------------------------- the split8 master (encodings.py)
+// encodings._BF16_MAX_BITS: the largest finite bfloat16's float32 bits (its magnitude)
+constexpr int32_t kBf16MaxBits = 0x7F7F0000;
+
+// encodings._split8_decode: the master from a bfloat16 parameter p (as float32) and its 8-bit remainder c
+// (int8, sign-extended): the bits p + 256 c, + 1 where c = -128; p itself where p is +-0, nan or +-inf.
+// (No master sync: every such master rounds to p, a written p included.)
+template <class L>
+HA_INLINE typename L::F split8_decode(typename L::F p, typename L::I c) {
+  const typename L::I r = L::iif(L::ieq(c, L::seti(-128)), L::seti(-128 * 256 + 1), L::sll(c, 8));
+  return L::fif(L::special(p), p, L::fromb(L::iadd(L::bits(p), r)));
+}
+// encodings._master_bits: the split8 master's 8 random bits from the element's hash h, one more
+// xor-shift-multiply round and its upper byte
+template <class L>
+HA_INLINE typename L::I master_bits(typename L::I h) {
+  return L::srl(L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x7FEB352D)), 24);
+}
+
 // Elements i .. i + W - 1 of one parameter (all in block `blk`). P: the parameter's dtype, G: the
 // gradient's, MS: how the master is kept (kNone: the parameter, float32, is the weight), MA / MV:
 // exp_avg's and exp_avg_sq's dtypes (float, at::BFloat16 or uint8_t).
@@ -992,6 +1027,8 @@ HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Bl
     if constexpr (MS == Master::kFp32) {
       w = L::load(s.master + e);
       w = L::fif(stale<L, P>(p, w), p, w);  // master sync
+    } else if constexpr (MS == Master::kSplit8) {
+      w = split8_decode<L>(p, L::load_s8(s.master_hi + e));
     } else {  // r = hi * 256 + lo, + 65536 in the block's tie lane
       I r = L::iadd(L::sll(L::load_s8(s.master_hi + e), 8), L::load_u8(s.master_lo + e));
       if (static_cast<uint32_t>(blk.tie_lane - j) < static_cast<uint32_t>(L::W))
@@ -1021,15 +1058,17 @@ HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Bl
   m = m + (g - m) * c.one_minus_beta1;
   v = v * c.beta2 + (g * c.one_minus_beta2) * g;
   I h{};  // the moments stored before the sqrt and divisions (in program order: not behind them)
-  if constexpr (is_bf16<MA> || is_bf16<MV>)
+  if constexpr (is_bf16<MA> || is_bf16<MV>) {
     h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term);
+    if constexpr (MS == Master::kSplit8) L::storei(blk.h_buf + j, h);  // for store_split8
+  }
   store_moment<L, MA, true>(s.exp_avg, e, m, h, blk.m_buf + j, blk.m_max, blk.m_min);
   store_moment<L, MV, false>(s.exp_avg_sq, e, v, h, blk.v_buf + j, blk.v_max, blk.v_min);
   const F root = L::fsqrt(v);
   const F d = s.optimized ? root + c.eps : root / c.sqrt_bias_correction2 + c.eps;
   w = w - (m / d) * c.step_size;
   if constexpr (MS == Master::kFp32) L::store(s.master + e, w);
-  if constexpr (MS == Master::kSplit) {  // the new weights, to the block's buffer: store_split stores them
+  if constexpr (MS == Master::kSplit || MS == Master::kSplit8) {  // to the block's buffer: store_split(8) stores them
     L::store(blk.w_buf + j, w);
   } else if constexpr (MS != Master::kNone) {
     L::store(param + i, w);
@@ -1072,6 +1111,39 @@ HA_INLINE void store_split(const Step& s, const Item& it, Block<L>& blk, int64_t
   L::store_bytes(s.master_lo + e, s.master_hi + e, q);
 }
 
+// A split8 master's new weights w of elements i .. i + W - 1 (block lane j), from the block's buffer
+// (encodings._split8_encode_ with the step's rounding): p = round(w) (nearest even), the remainder
+// r = bits(w) - bits(p) rounded stochastically with the element's 8 random bits, c = (r + bits) >> 8
+// (floor); c = 128 moves p one bfloat16 value away from zero (its bits + 2**16) with c = -128, unless
+// p is the largest finite magnitude (c = 127); c = 0 over a p of +-0, nan or +-inf.
+// HASHED: the lanes' hashes are in the block's h_buf (a bfloat16 moment's); KEEP: put them there (for a
+// uint8 moment's encode_block).
+template <class L, bool HASHED, bool KEEP>
+HA_INLINE void store_split8(const Step& s, const Item& it, Block<L>& blk, int64_t i) {
+  using I = typename L::I;
+  using M = typename L::M;
+  at::BFloat16* param = static_cast<at::BFloat16*>(it.param);
+  const int64_t e = it.offset + i;
+  const int32_t j = static_cast<int32_t>(i - blk.start);
+  const typename L::F w = L::load(blk.w_buf + j);
+  const I pb = bf16_rounded<L>(w);  // round(w)'s float32 bits (nan: bf16's nan)
+  const M sp = L::special(L::fromb(pb));
+  I h;
+  if constexpr (HASHED) {
+    h = L::loadi(blk.h_buf + j);
+  } else {
+    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term);
+    if constexpr (KEEP) L::storei(blk.h_buf + j, h);
+  }
+  const I rnd = master_bits<L>(h);
+  I c = L::sra(L::iadd(L::isub(L::bits(w), pb), rnd), 8);
+  const M top = L::ieq(L::iand(pb, L::seti(0x7FFFFFFF)), L::seti(kBf16MaxBits));
+  const M bump = L::mandn(L::mor(sp, top), L::ieq(c, L::seti(128)));
+  L::store_hi16(param + i, L::iif(bump, L::iadd(pb, L::seti(65536)), pb));
+  c = L::iif(bump, L::seti(-128), L::imin(c, L::seti(127)));
+  L::store_s8(s.master_hi + e, L::iif(sp, L::seti(0), c));
+}
+
 // Blocks j0..j1 of one parameter, each W lanes at a time (L), its tail one at a time. Block j is the
 // column c = j % per_row of row r = j / per_row (per_row = ceil(row_length / BLOCK)): elements
 // r * row_length + c * BLOCK up to BLOCK of them, the row's end first. Where BLOCK divides row_length,
@@ -1083,7 +1155,12 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
   const Item it = item;
   const Coefficients<L> cl(s.c);
   const Coefficients<Lanes1> c1(s.c);
-  alignas(64) float m_buf[kM8 ? BLOCK : 1], v_buf[kV8 ? BLOCK : 1], w_buf[MS == Master::kSplit ? BLOCK : 1];
+  // split8: one hash per element for the master and the moments, in h_buf where a moment needs it too
+  constexpr bool kHashed = MS == Master::kSplit8 && (is_bf16<MA> || is_bf16<MV>);  // by the lanes
+  constexpr bool kKeepHash = MS == Master::kSplit8 && (kM8 || kV8);                // for encode_block
+  constexpr bool kWeights = MS == Master::kSplit || MS == Master::kSplit8;  // through w_buf
+  alignas(64) float m_buf[kM8 ? BLOCK : 1], v_buf[kV8 ? BLOCK : 1], w_buf[kWeights ? BLOCK : 1];
+  alignas(64) int32_t h_buf[kHashed || kKeepHash ? BLOCK : 1];
   const int64_t length = it.row_length, per_row = (length + BLOCK - 1) / BLOCK;
   // block j's row's first element, and the block's first element's place in the row
   int64_t row = j0 / per_row * length, column = j0 % per_row * BLOCK;
@@ -1105,6 +1182,7 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
     bl.m_buf = m_buf;
     bl.v_buf = v_buf;
     bl.w_buf = w_buf;
+    bl.h_buf = h_buf;
     bl.m_max = bl.v_max = L::seti(0);
     bl.m_min = bl.v_min = L::seti(-1);
     int64_t i = start;
@@ -1117,6 +1195,7 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
     b1.m_buf = m_buf;
     b1.v_buf = v_buf;
     b1.w_buf = w_buf;
+    b1.h_buf = h_buf;
     if (i < end) {  // the tail
       b1.m_max = static_cast<int32_t>(me.max), b1.m_min = static_cast<int32_t>(me.min);
       b1.v_max = static_cast<int32_t>(ve.max), b1.v_min = static_cast<int32_t>(ve.min);
@@ -1130,11 +1209,16 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
       for (; i < end; ++i) store_split<Lanes1, P>(s, it, b1, i);
       s.master_tie[block] = static_cast<uint8_t>(b1.first_tie + 1);  // 0: no tie
     }
+    if constexpr (MS == Master::kSplit8) {  // the new weights' rounding and 8-bit remainders
+      for (i = start; i < body; i += L::W) store_split8<L, kHashed, kKeepHash>(s, it, bl, i);
+      for (; i < end; ++i) store_split8<Lanes1, kHashed, kKeepHash>(s, it, b1, i);
+    }
     // the n elements of a short block (a row's last, or the parameter's): the padding's zeros change no
     // maximum, and their codes (0) are not written
     if constexpr (kM8 || kV8)
-      encode_block<L, kM8, kV8>(m_buf, v_buf, m_codes, v_codes, n, me, ve, s.exp_avg_scale + block,
-                                s.exp_avg_sq_scale + block, static_cast<uint32_t>(it.position + start), s.seed_term);
+      encode_block<L, kM8, kV8, MS == Master::kSplit8>(m_buf, v_buf, m_codes, v_codes, n, me, ve, s.exp_avg_scale + block,
+                                                       s.exp_avg_sq_scale + block,
+                                                       static_cast<uint32_t>(it.position + start), s.seed_term, h_buf);
   }
 }
 
@@ -1178,6 +1262,8 @@ RunFn pick_param(at::ScalarType param, bool float_grad, Master ms) {
   if (param == at::kHalf)
     return ms == Master::kSplit ? pick_grad<at::Half, Master::kSplit, MA, MV>(float_grad)
                                 : pick_grad<at::Half, Master::kFp32, MA, MV>(float_grad);
+  if (ms == Master::kSplit8)  // bfloat16 parameters only (adam_step checks)
+    return pick_grad<at::BFloat16, Master::kSplit8, MA, MV>(float_grad);
   return ms == Master::kSplit ? pick_grad<at::BFloat16, Master::kSplit, MA, MV>(float_grad)
                               : pick_grad<at::BFloat16, Master::kFp32, MA, MV>(float_grad);
 }
@@ -1247,11 +1333,17 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   const at::Tensor master = get("master_weight", at::kFloat);
   const at::Tensor hi = get("master_hi", at::kChar), lo = get("master_lo", at::kByte);
   const at::Tensor tie = get("master_tie", at::kByte);
-  const Master ms = master.defined() ? Master::kFp32 : lo.defined() ? Master::kSplit : Master::kNone;
+  // master_hi without master_lo (and master_tie): a split8 master
+  const Master ms = master.defined()                ? Master::kFp32
+                    : lo.defined() || tie.defined() ? Master::kSplit
+                    : hi.defined()                  ? Master::kSplit8
+                                                    : Master::kNone;
   if (ms == Master::kFp32) TORCH_CHECK(master.numel() == total_state, "adam_step: master_weight's length");
   if (ms == Master::kSplit)
-    TORCH_CHECK(hi.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state,
+    TORCH_CHECK(hi.defined() && lo.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state,
                 "adam_step: a split master needs master_hi, master_lo (one per element) and master_tie (one per block)");
+  if (ms == Master::kSplit8)
+    TORCH_CHECK(hi.numel() == total_state, "adam_step: a split8 master needs master_hi (one per element)");
   // the per-block buffers (one entry per block of every parameter, block_offsets into them): one length
   const bool blocked = ms == Master::kSplit || m8 || v8;
   int64_t total_blocks = -1;
@@ -1269,7 +1361,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
 
   Step s{};
   s.master = ms == Master::kFp32 ? master.data_ptr<float>() : nullptr;
-  s.master_hi = ms == Master::kSplit ? hi.data_ptr<int8_t>() : nullptr;
+  s.master_hi = ms == Master::kSplit || ms == Master::kSplit8 ? hi.data_ptr<int8_t>() : nullptr;
   s.master_lo = ms == Master::kSplit ? lo.data_ptr<uint8_t>() : nullptr;
   s.master_tie = ms == Master::kSplit ? tie.data_ptr<uint8_t>() : nullptr;
   s.exp_avg = exp_avg.data_ptr();
@@ -1298,6 +1390,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                 "gradients floating point");
     TORCH_CHECK(ms != Master::kNone || p.scalar_type() == at::kFloat, "adam_step: params[", k,
                 "]: float16/bfloat16 parameters need a master");
+    TORCH_CHECK(ms != Master::kSplit8 || p.scalar_type() == at::kBFloat16, "adam_step: params[", k, "] (",
+                p.scalar_type(), "): a split8 master (master_hi without master_lo) needs a bfloat16 parameter");
     TORCH_CHECK(ms != Master::kSplit || p.scalar_type() != at::kFloat, "adam_step: params[", k,
                 "]: a split master needs a float16/bfloat16 parameter");
     TORCH_CHECK(g.numel() == n, "adam_step: grads[", k, "] has ", g.numel(), " elements, its parameter ", n);

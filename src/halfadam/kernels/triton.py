@@ -113,7 +113,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 # state encodings, as constexpr codes
-MASTER_NONE, MASTER_FP32, MASTER_SPLIT = 0, 1, 2
+MASTER_NONE, MASTER_FP32, MASTER_SPLIT, MASTER_SPLIT8 = 0, 1, 2, 3
 MOMENT_FP32, MOMENT_BF16, MOMENT_UINT8 = 0, 1, 2
 _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.uint8: MOMENT_UINT8}
 
@@ -392,6 +392,15 @@ if triton is not None:
         elif MASTER == 1:
             master = tl.load(master_ptr + e + idx, mask=emask, other=0.0)
             w = tl.where(_written(p, _round_to(master, P_DTYPE, CVT)), p, master)
+        elif MASTER == 3:  # encodings._split8_decode (bfloat16 parameters): bits(p) + 256 c, one more at c = -128
+            tl.static_assert(P_DTYPE == tl.bfloat16)
+            c8 = tl.load(hi_ptr + e + idx, mask=emask, other=0).to(tl.int32)
+            pb = p.to(tl.int32, bitcast=True)
+            decoded = pb + (c8 << 8) + (c8 == -128).to(tl.int32)
+            # p +-0, +-inf or nan: 2 |p|'s pattern less 2 (uint32) reaches 2 * 0x7F800000 - 2 (no written() check:
+            # every decoded master rounds to p)
+            keep = ((pb << 1) - 2).to(tl.uint32, bitcast=True) >= 0xFEFFFFFE
+            w = tl.where(keep, pb, decoded).to(tl.float32, bitcast=True)
         else:
             tie = tl.load(tie_ptr + eb + blocks, mask=bmask, other=0).to(tl.int32) - 1  # its lane, or -1
             r = ((tl.load(hi_ptr + e + idx, mask=emask, other=0).to(tl.int32) << 8)
@@ -431,7 +440,8 @@ if triton is not None:
             d = _div_by_coefficient(root, sqrt_bias_correction2, reciprocal, special) + eps
         w = w - tl.div_rn(m, d) * step_size
 
-        if M_KIND != 0 or V_KIND != 0:  # one hash per element: exp_avg the upper 16 bits, exp_avg_sq the lower
+        if M_KIND != 0 or V_KIND != 0 or MASTER == 3:  # one hash per element: exp_avg the upper 16 bits,
+            # exp_avg_sq the lower, a split8 master the upper byte of one more round (encodings._master_bits)
             seed_term = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True) * 0x27D4EB2F + _SALT_C
             if OCTETS:  # the tile's first position a multiple of 8: element idx's is that of its group of 8,
                 # idx & ~7, or'ed with idx & 7, so position ^ seed_term is the group's g ^ (idx & 7), whose
@@ -441,6 +451,8 @@ if triton is not None:
                 h = _hash_rounds((g ^ (g >> 16)) ^ (idx & 7).to(tl.uint32))
             else:
                 h = _hash((position0 + first).to(tl.uint32) + idx.to(tl.uint32), seed_term)
+            if MASTER == 3:
+                master_bits = (((h ^ (h >> 16)) * 0x7FEB352D) >> 24).to(tl.int32)
             h = h.to(tl.int32, bitcast=True)
             m_bits = (h >> 16) & 0xFFFF
             v_bits = h & 0xFFFF
@@ -454,6 +466,20 @@ if triton is not None:
         elif MASTER == 1:
             tl.store(master_ptr + e + idx, w, mask=emask)
             _store_param(param + idx, w, pmask, P_DTYPE, CVT)
+        elif MASTER == 3:  # encodings._split8_encode_ (the step's: stochastic, with master_bits)
+            rounded = _bf16_bits(w, CVT).to(tl.int32)  # round(w), nearest even (a nan: a nan)
+            pb = rounded << 16
+            # r = bits(w) - bits(round(w)), c = floor((r + master_bits) / 256) in [-128, 128]
+            c8 = (w.to(tl.int32, bitcast=True) - pb + master_bits) >> 8
+            valid = ((pb << 1) - 2).to(tl.uint32, bitcast=True) < 0xFEFFFFFE  # round(w) finite and nonzero
+            top = c8 == 128
+            at_max = (rounded & 0x7FFF) == 0x7F7F  # the largest finite bfloat16 magnitude: 127 there
+            bump = valid & top & ~at_max  # one bfloat16 value away from zero: its bits + 1
+            tl.store((param + idx).to(tl.pointer_type(tl.uint16)), (rounded + bump.to(tl.int32)).to(tl.uint16),
+                     mask=pmask)
+            # c = 128 stored as int8 is -128, the bumped code; at the largest magnitude 127; 0 over +-0, nan, +-inf
+            c8 = tl.where(valid, c8 - (top & at_max).to(tl.int32), 0)
+            tl.store(hi_ptr + e + idx, c8.to(tl.int8), mask=emask)
         else:  # encodings._split_encode_
             if P_DTYPE == tl.bfloat16:
                 _store_param(param + idx, w, pmask, P_DTYPE, CVT)
@@ -489,7 +515,7 @@ if triton is not None:
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0.0:
                 return
-        BLOCKED: tl.constexpr = (MASTER == 2) or (M_KIND != 0) or (V_KIND != 0)
+        BLOCKED: tl.constexpr = (MASTER == 2) or (MASTER == 3) or (M_KIND != 0) or (V_KIND != 0)
         TILE_: tl.constexpr = NB * BLOCK_
         pid = tl.program_id(0)
         t = tl.load(work_ptr + 2 * pid)
