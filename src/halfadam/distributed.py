@@ -350,7 +350,7 @@ def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
 def _saved_format(saved: Dict[str, Any]) -> Any:
     """The state format of a checkpoint's optimizer state, from its DCP metadata (``saved``: its
     ``<key>.state.*`` entries)."""
-    from .encodings import StateFormat
+    from .encodings import StateFormat, master_of
 
     fields = {name.rsplit(".", 1)[-1] for name in saved}
 
@@ -361,8 +361,7 @@ def _saved_format(saved: Dict[str, Any]) -> Any:
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    master = "split" if "master_lo" in fields else "split8" if "master_hi" in fields else "fp32"
-    return StateFormat(master, moment("exp_avg"), moment("exp_avg_sq"),
+    return StateFormat(master_of(fields), moment("exp_avg"), moment("exp_avg_sq"),
                        legacy=any(f"{name}_absmax" in fields for name in ("exp_avg", "exp_avg_sq")))
 
 

@@ -62,14 +62,15 @@ The encodings:
   remainder rounded to its upper byte ``c`` (int8), so the master is the parameter's bit pattern plus
   ``256 c``: 24 significant bits, as FlashOptim's 24-bit master weights (Databricks, 2026, arXiv
   2602.23349). Unlike theirs, ``c`` is rounded **stochastically** in the step (8 more random bits per
-  element, :func:`_master_bits`): rounded to nearest, an update below half the remainder's resolution
-  (2**-9 of a bfloat16 ulp: 1.5e-5 at a weight of 1.0) never lands, and at lr 1e-5 more than half of such masters
-  never move (measured: docs/research/small-state); stochastically rounded it lands in expectation. A
+  element, :func:`_master_bits`): rounded to nearest, an update below half the remainder's
+  resolution (2**-9 of a bfloat16 ulp: 1.5e-5 at a weight of 1.0) never lands, and at lr 1e-5 more
+  than half of such masters never move (measured: docs/research/small-state); stochastically rounded
+  it lands in expectation. A
   ``c`` of 128 (the master at the midpoint above the parameter) moves the parameter one value away
   from zero with ``c = -128``, and ``c = -128`` decodes one float32 ulp above that midpoint (2**-16 of
   a bf16 ulp: the only bias, far below the remainder's resolution), so every decoded master rounds to
-  its parameter (no tie byte). Writes to the parameter: the decoded master
-  is the written value plus the old remainder, as for the split (:func:`_split8_decode`).
+  its parameter (no tie byte). Writes to the parameter: the decoded master is the written value plus
+  the old remainder, as for the split (:func:`_split8_decode`).
 * **bfloat16 moments**: stochastic rounding (add 16 random bits to the fp32 pattern, truncate):
   unbiased in value. Nearest rounding would freeze ``exp_avg_sq``: its per-step decay
   ``1 - beta2`` is below half a bf16 step.
@@ -102,7 +103,8 @@ The encodings:
 
 Random bits are a hash of the element's position in its parameter (its index in the flattened
 parameter) and the step, one 32-bit hash per element and step: ``exp_avg`` rounds with its upper
-16 bits, ``exp_avg_sq`` with its lower 16, a split8 master with 8 bits of one more round (no generator state, nothing computed): every execution
+16 bits, ``exp_avg_sq`` with its lower 16, a split8 master with 8 bits of one more round (no
+generator state, nothing computed): every execution
 draws the same bits, float32 values that differ by an ulp between two executions round with the
 same bits, a resumed run continues bitwise, and a shard that knows its offset draws its elements'
 bits. (Elements at the same position of two parameters of one step draw the same bits.)
@@ -592,9 +594,8 @@ def _split8_encode_(master: Tensor, param: Tensor, hi: Tensor, rounding: Optiona
     below the remainder's resolution (2**-8 of an ulp) land in expectation. A ``c`` of 128 (the master
     at or just below the midpoint above ``param``) moves the parameter one bfloat16 value away from
     zero with ``c = -128`` (the same master but for the decode's one float32 ulp; at the largest finite
-    bfloat16 it is 127). Without
-    ``rounding`` (a checkpoint load, a format conversion: ``param`` holds ``round(master)`` and is not
-    changed) the remainder is rounded to nearest, ``c = min(floor((r + 128) / 256), 127)``. ``c = 0``
+    bfloat16 it is 127). Without ``rounding`` (a checkpoint load, a format conversion: ``param`` holds
+    ``round(master)`` and is not changed) the remainder is rounded to nearest, ``c = min(floor((r + 128) / 256), 127)``. ``c = 0``
     over a parameter of +-0, nan or +-inf."""
     if rounding is not None:
         param.copy_(master.to(param.dtype))
@@ -710,7 +711,7 @@ def new_state(fmt: StateFormat, param: Tensor, has_master: bool) -> Dict[str, Te
 
 
 def has_master(state: Dict[str, Tensor]) -> bool:
-    """Whether ``state`` (a parameter's state, or flat buffers) holds a master weight, fp32 or split."""
+    """Whether ``state`` (a parameter's state, or flat buffers) holds a master weight, fp32, split or split8."""
     return "master_weight" in state or "master_hi" in state
 
 
@@ -799,12 +800,12 @@ def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tenso
     parameter wins), so the parameter keeps its value."""
     if "master_weight" in stored:
         stored["master_weight"].copy_(master)
-    elif "master_lo" not in stored:  # split8
-        sync_master_(master, flat_param)
-        _split8_encode_(master, flat_param, stored["master_hi"], None)
-    else:
-        sync_master_(master, flat_param)
+        return
+    sync_master_(master, flat_param)
+    if "master_lo" in stored:
         _split_encode_(master, flat_param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
+    else:
+        _split8_encode_(master, flat_param, stored["master_hi"], None)
 
 
 def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], grad: Tensor,
@@ -880,8 +881,12 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
     legacy = any(key in state for key in LEGACY_BLOCK_KEYS)
-    master = "split" if "master_lo" in state else "split8" if "master_hi" in state else "fp32"
-    return StateFormat(master, *dtypes, legacy=legacy)
+    return StateFormat(master_of(state), *dtypes, legacy=legacy)
+
+
+def master_of(keys) -> str:
+    """The master encoding that state keys (a state dict, or a set of key names) are stored in."""
+    return "split" if "master_lo" in keys else "split8" if "master_hi" in keys else "fp32"
 
 
 def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has_master: bool,
