@@ -156,11 +156,15 @@ class _AdamBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ masters
     def master_weight(self, param: Tensor) -> Tensor:
-        """The fp32 tensor this optimizer updates for ``param``, in sync with the parameter.
+        """The fp32 master weight of ``param``, in sync with the parameter.
 
         The master copy for a parameter with master weights (created from the parameter now if no step
         has run yet; elements where the parameter was changed since take its value, see
-        :meth:`sync_master_weights`), or the parameter itself for a float32 parameter without one.
+        :meth:`sync_master_weights`), or the parameter itself for a float32 parameter without one. In
+        ``state_mode="fp32"`` it is the tensor the optimizer updates; with a split or split8 master
+        (``"split"``, ``"bf16"``, ``"compact"``, ``"tiny"``) it is a new decoded tensor each call, so an
+        in-place edit of it changes nothing (set masters with
+        :func:`halfadam.checkpoint.load_master_state_dict`).
         A frozen parameter (``requires_grad=False``) that never took a step has no state and gets a
         new float32 copy of its value (no state is made for it).
 
@@ -511,8 +515,9 @@ class AdamW(_AdamBase):
             of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
             the meta device; a torch flag halfadam does not implement (``maximize=True``,
             ``amsgrad=True``, ``fused=True``...); bad ``order_params``; an unknown ``state_mode``
-            or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter with
-            split masters or uint8 moments (per-block state).
+            or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter whose
+            local shard is not whole rows (a dim other than 0 sharded) where the state mode keeps
+            per-block state (split masters, uint8 moments).
     """
 
     def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
