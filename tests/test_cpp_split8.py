@@ -22,7 +22,7 @@ import halfadam
 from halfadam import encodings as E
 from halfadam.kernels import cpp as cpu_kernel
 from conftest import assert_same_runs, same_bits
-from test_cpp_rows import _layout, _views  # noqa: F401
+from test_cpp_rows import _layout, _random_flat, _views  # noqa: F401
 from test_cpp_uint8 import _kernel, _kernel_and_one_thread  # noqa: F401 (the module's fixture)
 
 LANES = (16, 8, 1)
@@ -69,20 +69,10 @@ SPECIAL = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e-40, -3e-39, 2.0 ** -126,
 
 
 def _random_state(fmt, n, gen):
-    """Flat state for ``n`` elements of ``fmt`` of random bytes (``master_hi`` every int8, -128 included;
-    uint8 codes and scales anything; float moments random finite values) and bfloat16 parameters with
-    the SPECIAL values among normal ones."""
-    stored = {}
-    for key, dt in E.element_keys(fmt, True).items():
-        if dt == torch.int8:
-            stored[key] = torch.randint(-128, 128, (n,), generator=gen, dtype=dt)
-        elif dt == torch.uint8:
-            stored[key] = torch.randint(0, 256, (n,), generator=gen, dtype=dt)
-        else:
-            v = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 10, (n,), generator=gen).float())
-            stored[key] = (v.abs() if key == "exp_avg_sq" else v).to(dt)
-    for key, dt in E.block_keys(fmt, True).items():
-        stored[key] = torch.randint(0, 256, (-(-n // 128),), generator=gen, dtype=dt)
+    """Flat state for ``n`` elements of ``fmt`` of random bytes (test_cpp_rows' ``_random_flat``:
+    ``master_hi`` every int8, -128 included; uint8 codes and scales anything; float moments random
+    finite values) and bfloat16 parameters with the SPECIAL values among normal ones."""
+    stored = _random_flat(fmt, True, n, -(-n // 128), gen)
     p = torch.randn(n, generator=gen)
     special = torch.tensor(SPECIAL)
     pick = torch.rand(n, generator=gen) < 0.06

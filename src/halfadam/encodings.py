@@ -597,14 +597,13 @@ def _split8_encode_(master: Tensor, param: Tensor, hi: Tensor, rounding: Optiona
     bfloat16 it is 127). Without ``rounding`` (a checkpoint load, a format conversion: ``param`` holds
     ``round(master)`` and is not changed) the remainder is rounded to nearest, ``c = min(floor((r + 128) / 256), 127)``. ``c = 0``
     over a parameter of +-0, nan or +-inf."""
-    if rounding is not None:
-        param.copy_(master.to(param.dtype))
-    p32 = param.to(torch.float32)
+    rounded = param if rounding is None else master.to(param.dtype)
+    p32 = rounded.to(torch.float32)
     valid = p32.isfinite() & (p32 != 0)
-    c = (_split_remainder(master, param) + (128 if rounding is None else rounding)) >> 8
-    if rounding is not None:
-        bump = valid & (c == 128) & ((_bits(param) & 0x7FFFFFFF) != _BF16_MAX_BITS)
-        param.copy_(torch.where(bump, (_bits(param) + 65536).view(torch.float32), p32).to(param.dtype))
+    c = (_split_remainder(master, rounded) + (128 if rounding is None else rounding)) >> 8
+    if rounding is not None:  # one write of the parameter: round(master), or its next value where bumped
+        bump = valid & (c == 128) & ((_bits(rounded) & 0x7FFFFFFF) != _BF16_MAX_BITS)
+        param.copy_(torch.where(bump, (_bits(rounded) + 65536).view(torch.float32), p32).to(param.dtype))
         c = torch.where(bump, -128, c)
     hi.copy_(torch.where(valid, c.clamp(max=127), 0).to(torch.int8))
 
