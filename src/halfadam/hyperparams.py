@@ -67,6 +67,11 @@ def _is_float(x: Any) -> bool:
     return _is_number(x) and not isinstance(x, numbers.Integral)
 
 
+def _is_real_tensor(t: torch.Tensor) -> bool:
+    """A tensor of a floating or integer dtype (any width, signed or not), not bool or complex."""
+    return t.dtype != torch.bool and not t.is_complex()
+
+
 def _as_float32(value: float) -> float:
     """``value`` rounded to float32, the dtype the update is computed in (inf if it overflows)."""
     try:
@@ -105,8 +110,9 @@ def parse_lr(value: Any, where: str = "lr") -> Tuple[float, Optional[Schedule]]:
             raise ValueError(f"{where} is a tensor on the meta device, which holds no value")
         if value.dim() > 1:
             raise ValueError(f"{where} as a tensor must have 0 or 1 dimensions, got shape {tuple(value.shape)}")
-        if not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"{where} as a tensor must be of a floating or integer dtype, got {value.dtype}")
+        if not _is_real_tensor(value):
+            raise TypeError(f"{where} as a tensor must be of a floating or integer dtype (not bool or complex), "
+                            f"got {value.dtype}")
         if value.dim() == 0:
             return check_value(value.item(), where), None
         return _parse_sequence(value.tolist(), where)
@@ -148,7 +154,7 @@ def parse_weight_decay(value: Any, where: str = "weight_decay") -> Tuple[float, 
     """
     if _is_number(value):
         return check_value(value, where), None
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and not value.is_meta:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and _is_real_tensor(value) and not value.is_meta:
         return check_value(value.item(), where), None
     if callable(value):
         return check_value(_call_schedule(value, 0, where), where), value

@@ -11,6 +11,7 @@ choose defaults and how weight decay enters.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -24,11 +25,24 @@ from ._dtensor import flat_offset, is_dtensor, localize
 from .executions import (Hyperparameters, capturable_step, check_capturable, check_implementation, flat_step,
                          reference_step, shard_step)
 from .functional import DECAY_MODES
-from .param_groups import (check_disjoint, check_grad, check_order_params, check_pairs, check_torch_flags,
-                           normalize_group, raise_foreign_key, split_params)
+from .param_groups import (check_disjoint, check_grad, check_order_params, check_pairs, check_step_keys,
+                           check_torch_flags, normalize_group, raise_foreign_key, split_params)
 from .state import HALF_DTYPES, ParamStates, check_row_shards
 
 __all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay"]
+
+
+def _outside_inference_mode(method: Any) -> Any:
+    """Run ``method`` with inference mode off: state made inside ``torch.inference_mode()`` would be
+    inference tensors, which no later step outside it could update in place."""
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+    return wrapper
+
 
 class _AdamBase(torch.optim.Optimizer):
     """The shared engine of :class:`AdamW`, :class:`Adam` and :class:`AdamFP16`.
@@ -76,6 +90,7 @@ class _AdamBase(torch.optim.Optimizer):
                                                    exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype)
         self._states = ParamStates(self)
         self._written: Dict[int, Tuple[float, float]] = {}  # id(group) -> (lr, weight_decay) of the last step
+        self._valid_keys: Dict[int, Tuple[Any, ...]] = {}  # id(group) -> its keys last checked (check_step_keys)
         self._override_warned = False
         if master_weights is not None and not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
@@ -124,7 +139,7 @@ class _AdamBase(torch.optim.Optimizer):
         self.state_format = state.pop("state_format", encodings.StateFormat())
         self._order_params = state.pop("_order_params", None)
         self._states = ParamStates(self)  # its buckets are rebuilt from the state on the next step
-        self._written, self._override_warned = {}, False
+        self._written, self._valid_keys, self._override_warned = {}, {}, False
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ groups
@@ -155,6 +170,7 @@ class _AdamBase(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ masters
+    @_outside_inference_mode
     def master_weight(self, param: Tensor) -> Tensor:
         """The fp32 master weight of ``param``, in sync with the parameter.
 
@@ -185,6 +201,7 @@ class _AdamBase(torch.optim.Optimizer):
                 return param
         raise KeyError("the tensor is not a parameter of this optimizer")
 
+    @_outside_inference_mode
     @torch.no_grad()
     def sync_master_weights(self) -> None:
         """Apply the master-sync rule to every parameter that has state, now.
@@ -214,6 +231,7 @@ class _AdamBase(torch.optim.Optimizer):
         """
         return _state_dict.optimizer_state_dict(self)
 
+    @_outside_inference_mode
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a halfadam or torch.optim.Adam/AdamW state_dict: checked first, never changes a state dtype.
 
@@ -235,6 +253,7 @@ class _AdamBase(torch.optim.Optimizer):
         return _state_dict.master_state_dict(self, model)
 
     # ------------------------------------------------------------------ step
+    @_outside_inference_mode
     @torch.no_grad()
     def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None,
              grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
@@ -286,13 +305,10 @@ class _AdamBase(torch.optim.Optimizer):
             if found_inf.item() != 0:
                 return loss
             found_inf = None
-        for group, lr, weight_decay, after, pairs in plan:
+        for group, hp, after, pairs in plan:
             if pairs:
-                beta1, beta2 = group["betas"]
-                hp = Hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=weight_decay,
-                                     decay=group["decay"], optimized_update=group["optimized_update"])
                 self._run_group(group, pairs, hp, grad_scale, found_inf)
-        for group, lr, weight_decay, after, pairs in plan:  # the schedules move once every group has stepped
+        for group, hp, after, pairs in plan:  # the schedules move once every group has stepped
             group["global_step"] += 1
             group.update((k, v) for k, v in after.items() if v is not None)
             self._written[id(group)] = (group["lr"], group["weight_decay"])
@@ -300,7 +316,7 @@ class _AdamBase(torch.optim.Optimizer):
 
     def _plan(self, grads: Optional[Mapping], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> list:
         """Check a step's arguments, gradients, state shapes and scheduled values, before anything
-        changes; one ``(group, lr, weight_decay, after, pairs)`` per group: the values of this step,
+        changes; one ``(group, hp, after, pairs)`` per group: the hyperparameters of this step,
         those ``group`` shows after it (``after``: the next step's scheduled values) and its
         ``(param, grad)`` pairs. Raises the errors :meth:`step` lists."""
         if grads is not None and not isinstance(grads, Mapping):
@@ -313,6 +329,7 @@ class _AdamBase(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
             self._warn_if_overridden(group, where)
+            check_step_keys(group, where, self._valid_keys)  # every group's, before any group steps
             step = group["global_step"]
             lr = hyperparams.resolve(group, "lr", where, step)
             weight_decay = hyperparams.resolve(group, "weight_decay", where, step)
@@ -330,7 +347,11 @@ class _AdamBase(torch.optim.Optimizer):
             self._states.check_shapes(group, pairs, where)
             if self.capturable:
                 check_capturable(pairs, group["params"], where, lambda p: self._states.use_master(p, group))
-            plan.append((group, lr, weight_decay, after, pairs))
+            beta1, beta2 = group["betas"]
+            hp = Hyperparameters(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                                 weight_decay=weight_decay, decay=group["decay"],
+                                 optimized_update=group["optimized_update"])
+            plan.append((group, hp, after, pairs))
         if grads is not None and matched != len(grads):
             raise_foreign_key(grads, self.param_groups)
         return plan

@@ -19,7 +19,7 @@ from .functional import DECAY_MODES
 from .kernels import cpp as cpu_kernel
 
 __all__ = ["STATE_FORMAT_KEYS", "TORCH_FLAGS_OFF", "check_disjoint", "check_grad", "check_group_keys",
-           "check_order_params", "check_pairs", "check_param", "check_torch_flags", "check_writable", "is_named",
+           "check_order_params", "check_pairs", "check_param", "check_step_keys", "check_torch_flags", "check_writable", "is_named",
            "normalize_group", "raise_foreign_key", "split_params"]
 
 
@@ -74,6 +74,30 @@ def check_group_keys(group: Dict[str, Any], where: str) -> None:
             raise TypeError(f"{where}['{key}'] must be None or a callable of the global step, got {group[key]!r}")
 
 
+_STEP_KEYS = ("betas", "eps", "decay", "optimized_update", "master_weights", "global_step")
+
+
+def check_step_keys(group: Dict[str, Any], where: str, valid: Dict[int, Tuple[Any, ...]]) -> None:
+    """:func:`check_group_keys` plus ``betas`` and ``eps``, for a group about to step.
+
+    ``param_groups`` is public and may be written between steps; the step checks every group with
+    this before any group steps, so a bad value raises the constructor's TypeError/ValueError
+    (naming ``where`` and the key) with nothing changed. ``valid`` (the optimizer's) keeps, per
+    ``id(group)``, the values last found valid, so an unchanged group costs one comparison.
+    """
+    current = tuple(group.get(k) for k in _STEP_KEYS)
+    last = valid.get(id(group))
+    if last is not None and all(a is b or (type(a) is type(b) and a == b) for a, b in zip(last, current)):
+        return
+    check_group_keys(group, where)
+    for name in ("betas", "eps", "decay", "optimized_update"):
+        if name not in group:
+            raise ValueError(f"{where} has no '{name}' key (it was deleted from the group?)")
+    hyperparams.parse_betas(group["betas"], f"{where}['betas']")
+    hyperparams.parse_eps(group["eps"], f"{where}['eps']")
+    valid[id(group)] = current
+
+
 def check_disjoint(groups: List[Dict[str, Any]]) -> None:
     """Each parameter once: in one group, once in it (ValueError naming both places otherwise)."""
     seen: Dict[int, str] = {}
@@ -85,6 +109,50 @@ def check_disjoint(groups: List[Dict[str, Any]]) -> None:
                                  f"twice in a group nor in more than one parameter group (it would be updated "
                                  f"twice per step)")
             seen[id(p)] = here
+    check_no_overlap(groups)
+
+
+def _extent(p: Tensor) -> Optional[Tuple[int, int, int]]:
+    """``(storage address, first byte, end byte)`` of the memory ``p``'s elements span, or ``None``
+    for a tensor with no memory of its own to compare (empty, meta, a DTensor or other subclass)."""
+    if p.numel() == 0 or p.is_meta or type(p) not in (Tensor, torch.nn.Parameter):
+        return None
+    try:
+        base = p.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    size = p.element_size()
+    last = p.storage_offset() + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+    return base, p.storage_offset() * size, (last + 1) * size
+
+
+def _offsets(p: Tensor) -> Tensor:
+    """The storage offsets (in bytes) of every element of ``p``, as an int64 tensor."""
+    index = torch.zeros((), dtype=torch.int64).add_(p.storage_offset())
+    for n, st in zip(p.shape, p.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return index.flatten() * p.element_size()
+
+
+def check_no_overlap(groups: List[Dict[str, Any]]) -> None:
+    """ValueError naming both parameters when two of them share memory (a view of another
+    parameter): each step would update the shared elements twice. Disjoint views of one storage
+    (a flattened buffer's slices, interleaved strided views) are accepted."""
+    spans = []
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            extent = _extent(p)
+            if extent is not None:
+                spans.append((*extent, len(spans), f"param_groups[{gi}]['params'][{j}]", p))
+    spans.sort(key=lambda s: s[:2])
+    for k, (base, start, end, n, here, p) in enumerate(spans):
+        for base2, start2, _, n2, there, q in spans[k + 1:]:
+            if base2 != base or start2 >= end:
+                break
+            if (p.is_contiguous() and q.is_contiguous()) or bool(torch.isin(_offsets(q), _offsets(p)).any()):
+                first, second = (here, there) if n < n2 else (there, here)
+                raise ValueError(f"{second} shares memory with {first} (a view of it?): its shared elements "
+                                 f"would be updated twice per step; pass parameters that do not overlap")
 
 
 def check_param(p: Any, where: str) -> None:
@@ -94,6 +162,9 @@ def check_param(p: Any, where: str) -> None:
         raise TypeError(f"{where} must be a floating-point tensor, got dtype {p.dtype}")
     if p.is_sparse:
         raise TypeError(f"{where} is a sparse tensor; sparse parameters are not supported")
+    if p.is_inference():
+        raise ValueError(f"{where} is an inference tensor (made under torch.inference_mode()), which cannot be "
+                         f"updated in place outside it; make the parameter outside inference mode")
     if not (p.is_leaf or p.retains_grad):
         raise ValueError(f"{where} is a non-leaf tensor; optimizers update leaf tensors only")
     check_writable(p, where)
