@@ -239,7 +239,7 @@ def test_fused_overflow_check_skips_only_nonfinite_gradients_like_torch(dtype):
 def test_fused_check_is_exactly_nonfinite_and_clip_norm_does_not_overflow(dtype, scale, big):
     p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
     opt = halfadam.AdamW([p], lr=1.0)
-    scaler = halfadam.GradScaler(init_scale=scale, max_grad_norm=1.0)
+    scaler = halfadam.GradScaler(init_scale=scale, max_grad_norm=1.0, min_scale=2.0**-126)
     scaler.scale(torch.ones(()))
     p.grad = torch.tensor([3.0 * big * scale, 4.0 * big * scale], dtype=torch.float64).to(dtype)
     assert torch.isfinite(p.grad).all()
@@ -319,7 +319,7 @@ def _overflow_steps(scaler, opt, p, n):
 def test_scale_stops_at_its_floor_warns_once_and_training_resumes():
     p = torch.nn.Parameter(torch.zeros(2))  # float32: a gradient of 1 scaled by 2**-126 is representable
     opt = halfadam.AdamW([p], lr=1e-3)
-    scaler = halfadam.GradScaler(growth_interval=2)
+    scaler = halfadam.GradScaler(growth_interval=2, min_scale=2.0**-126)  # the lowest floor there is
     scales, warned = _overflow_steps(scaler, opt, p, 200)
     # Hand-derived: 2**16 * 0.5**k, down to the floor 2**-126 (the smallest normal float32) after
     # k = 142, and there it stays; before, it reached 0.0 after 166 and stayed (every step skipped).
@@ -346,7 +346,7 @@ def test_scale_stops_at_its_floor_warns_once_and_training_resumes():
 def test_scale_floor_warns_when_reached_first():
     p = torch.nn.Parameter(torch.zeros(2).half())
     opt = halfadam.AdamW([p])
-    scaler = halfadam.GradScaler(backoff_factor=1e-10)  # 2**16 * 1e-50 < 2**-126 ~ 1.2e-38 < 2**16 * 1e-40
+    scaler = halfadam.GradScaler(backoff_factor=1e-10, min_scale=2.0**-126)  # 2**16 * 1e-50 < 2**-126 < 2**16 * 1e-40
     scales, warned = _overflow_steps(scaler, opt, p, 40)
     assert scales[3] == pytest.approx(2.0**16 * 1e-40, rel=1e-6) and scales[4:] == [2.0**-126] * 36
     assert [k for k, _ in warned] == [5] and "floor" in warned[0][1]
@@ -354,7 +354,7 @@ def test_scale_floor_warns_when_reached_first():
 
 def test_scale_matches_torch_until_the_floor():
     p = torch.nn.Parameter(torch.zeros(2).half())
-    ours, opt = halfadam.GradScaler(), halfadam.AdamW([p])
+    ours, opt = halfadam.GradScaler(min_scale=2.0**-126), halfadam.AdamW([p])
     theirs, ref_opt = torch.amp.GradScaler("cpu"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     ref_p = ref_opt.param_groups[0]["params"][0]
     with warnings.catch_warnings():
@@ -366,6 +366,112 @@ def test_scale_matches_torch_until_the_floor():
             theirs.update()
         scales, _ = _overflow_steps(ours, opt, p, 142)
     assert theirs.get_scale() == scales[-1] == 2.0**-126
+
+
+def test_default_floor_keeps_training_after_a_long_run_of_overflows():
+    """Issue 33 item 12: 100 overflowing fp16 steps, then 300 finite ones. Without a floor (torch's
+    rule, which min_scale=2**-126 follows down to 2**-126: test_scale_matches_torch_until_the_floor)
+    the scale is 2**16 * 2**-100 ~ 5e-26, the scaled float16 gradients flush to 0 and the 300 steps
+    change nothing; with the default min_scale=1.0 the weights move."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).half()
+    x, y = torch.randn(16, 4).half(), torch.randn(16, 1).half()
+    start = copy.deepcopy(model.state_dict())
+    results = {}
+    for name, scaler in (("torch", halfadam.GradScaler(min_scale=2.0**-126)), ("halfadam", halfadam.GradScaler())):
+        model.load_state_dict(start)
+        opt = halfadam.AdamW(model.parameters(), lr=1e-3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(100):
+                scaler.scale(torch.ones((), requires_grad=True).half()).backward()
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, float("inf"))
+                scaler.step(opt)
+                scaler.update()
+        scale_after_overflows = scaler.get_scale()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(300):
+                opt.zero_grad()
+                scaler.scale(torch.nn.functional.mse_loss(model(x).float(), y.float())).backward()
+                scaler.step(opt)
+                scaler.update()
+        zeros = sum("every gradient was 0 in 100 consecutive steps" in str(w.message) for w in caught)
+        results[name] = (scale_after_overflows, model.weight.detach().clone(), zeros)
+    assert results["torch"][0] == 2.0 ** -84 and results["halfadam"][0] == 1.0
+    assert results["torch"][2] == 1 and results["halfadam"][2] == 0  # said once, where nothing trains
+    moved = lambda w: (w.float() - start["weight"].float()).abs().max().item()
+    assert moved(results["torch"][1]) == 0.0  # torch's scaler: every gradient was 0 (the fault)
+    assert moved(results["halfadam"][1]) > 0.1  # 300 Adam steps of lr 1e-3 move a weight ~0.3
+
+
+def test_all_zero_gradients_warn_once_after_100_steps():
+    p = torch.nn.Parameter(torch.ones(3).half())
+    opt = halfadam.AdamW([p], lr=1e-3)
+    scaler = halfadam.GradScaler(init_scale=2.0**-80, min_scale=2.0**-100)
+    warned = []
+    for k in range(1, 151):
+        scaler.scale(torch.ones(()))
+        p.grad = torch.zeros_like(p)  # what a scale of 2**-80 leaves of a float16 gradient
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+            scaler.update()
+        warned += [(k, str(w.message)) for w in caught if "every gradient was 0" in str(w.message)]
+    assert [k for k, _ in warned] == [100]
+    assert "raise min_scale" in warned[0][1]
+
+
+def test_min_scale_is_checked():
+    with pytest.raises(ValueError, match="init_scale=0.5 is below min_scale=1.0"):
+        halfadam.GradScaler(init_scale=0.5)
+    for bad, exc in ((0.0, ValueError), (float("inf"), ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="min_scale"):
+            halfadam.GradScaler(min_scale=bad)
+    assert halfadam.GradScaler(init_scale=0.5, min_scale=0.25).get_scale() == 0.5
+
+
+def test_a_collapsed_torch_scale_loads_at_the_floor():
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**-84)
+    theirs.scale(torch.ones(()))
+    ours = halfadam.GradScaler()
+    with pytest.warns(UserWarning, match="below this scaler's min_scale"):
+        ours.load_state_dict(theirs.state_dict())
+    assert ours.get_scale() == 1.0
+    assert torch.amp.GradScaler("cpu").load_state_dict(ours.state_dict()) is None  # and torch loads ours
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_disabled_scaler_clips_with_max_grad_norm(dtype):
+    """Issue 33 item 6: GradScaler(enabled=False, max_grad_norm=1.0) clips as torch's clip_grad_norm_
+    on a float32 twin; last_grad_norm is the norm before clipping (hand-derived: 5)."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    q = torch.nn.Parameter(torch.zeros(2))
+    opt = halfadam.AdamW([p], lr=0.1, betas=(0.5, 0.5))
+    ref = torch.optim.AdamW([q], lr=0.1, betas=(0.5, 0.5), weight_decay=0.0)
+    scaler = halfadam.GradScaler(enabled=False, max_grad_norm=1.0)
+    for grad in ([3.0, 4.0], [0.3, -0.4]):
+        p.grad = torch.tensor(grad, dtype=dtype)
+        q.grad = p.grad.float()
+        norm = q.grad.norm().item()
+        scaler.step(opt)
+        torch.nn.utils.clip_grad_norm_([q], 1.0)
+        ref.step()
+        torch.testing.assert_close(opt.master_weight(p), q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-6, atol=1e-7)
+        assert scaler.last_grad_norm.item() == pytest.approx(norm, rel=1e-6)
+    assert opt.state[p]["exp_avg"][0].item() == pytest.approx(0.3, rel=1e-2)  # hand-derived: 0.5 * 0.6
+
+
+def test_a_disabled_scaler_clips_a_torch_optimizer_too():
+    q = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([q], lr=1.0)
+    scaler = halfadam.GradScaler(enabled=False, max_grad_norm=1.0)
+    q.grad = torch.tensor([3.0, 4.0])
+    scaler.step(opt)
+    assert q.detach().tolist() == pytest.approx([-0.6, -0.8], rel=1e-6)
+    assert scaler.last_grad_norm.item() == pytest.approx(5.0)
 
 
 # ---------------------------------------------------------------------------------- scale()
@@ -414,7 +520,7 @@ def test_accepted_numbers():
     assert scaler.state_dict() == {"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 7,
                                    "_growth_tracker": 0}
     assert type(scaler.get_growth_interval()) is int
-    assert halfadam.GradScaler(init_scale=2.0**-126).get_scale() == 2.0**-126
+    assert halfadam.GradScaler(init_scale=2.0**-126, min_scale=2.0**-126).get_scale() == 2.0**-126
 
 
 def test_update_new_scale_and_clip_arguments_are_checked():

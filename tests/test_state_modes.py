@@ -182,18 +182,34 @@ def _split_buffers(n, dtype):
 
 
 # ============================================================================ 1. split == fp32, bit for bit
+def _second_ties_(master):
+    """Apply the split encoding's one documented deviation to an fp32 master (bf16 parameter, rows
+    of 128-element blocks), in place: in each block the ties after the first (low 16 bits 0x8000 over
+    an even parameter, a remainder of +2**15) move down one fp32 ulp (:mod:`halfadam.encodings`).
+    Returns how many moved."""
+    bits = master.detach().view(torch.int32).view(master.shape[0], -1, 128)
+    tie = ((bits & 0xFFFF) == 0x8000) & (((bits >> 16) & 1) == 0)
+    later = tie & (tie.to(torch.int32).cumsum(dim=2) > 1)
+    bits.sub_(later.to(torch.int32))
+    return int(later.sum())
+
+
 @pytest.mark.parametrize("impl,steps", [("reference", 1000), ("fused", 200), ("cpp", 1000)])
 def test_split_trains_bit_for_bit_as_fp32(impl, steps):
     """bf16 parameters: the split master (bf16 parameter + int16 remainder + tie byte) is the fp32
-    master, exactly, so the whole trajectory (parameters, masters, moments) is the fp32 mode's."""
-    runs = {}
-    for mode in ("fp32", "split"):
-        model = _mlp(torch.bfloat16)
-        opt = _adamw(model.parameters(), mode, impl)
-        first = _full_loss(model)
-        last = _train(model, opt, steps)
-        runs[mode] = model, opt, first, last
-    (m32, o32, first, last), (ms, os_, _, last_s) = runs["fp32"], runs["split"]
+    master, exactly, so the whole trajectory (parameters, masters, moments) is the fp32 mode's. The
+    one exception is the documented second tie in a block (a master one fp32 ulp lower, about once
+    in 2**21 blocks and steps, more often on some machines' trajectories): the two runs go in
+    lockstep and the fp32 run's master takes that same ulp, so it is checked too, not skipped."""
+    models = {mode: _mlp(torch.bfloat16) for mode in ("fp32", "split")}
+    opts = {mode: _adamw(m.parameters(), mode, impl) for mode, m in models.items()}
+    (m32, ms), (o32, os_) = models.values(), opts.values()
+    first = _full_loss(m32)
+    for k in range(steps):
+        last, last_s = _train(m32, o32, 1, start=k), _train(ms, os_, 1, start=k)
+        for p32 in m32.parameters():
+            if _blocked(p32):
+                _second_ties_(o32.state[p32]["master_weight"])
     assert _full_loss(m32) < 0.5 * first  # it trained (the loss over all the data: a batch's is noisy)
     assert last_s == last
     remainders, split = 0, 0
@@ -217,6 +233,24 @@ def test_split_trains_bit_for_bit_as_fp32(impl, steps):
             remainders += int((master_s != ps.float()).sum())
     assert split == 2  # both weights
     assert remainders > 1000  # the split masters carry bits the parameters lack (the test is not trivial)
+
+
+def test_second_ties_follow_the_encoding():
+    """The rule the test above applies is the encoding's: a block with three ties over even
+    parameters decodes the first exactly and the other two one ulp low; a tie over an odd parameter
+    (a remainder of -2**15) fits an int16 and stays exact."""
+    master = torch.randn(2, 128).to(torch.bfloat16).float()
+    bits = master.view(torch.int32)
+    bits &= ~0x10000  # every parameter even
+    bits[0, [3, 50, 99]] |= 0x8000  # three ties in row 0's block
+    bits[1, 7] |= 0x18000  # a tie over an odd parameter in row 1's
+    expected = master.clone()
+    assert _second_ties_(expected) == 2
+    assert torch.equal(expected.view(torch.int32) - bits, torch.zeros_like(bits).index_put_(
+        (torch.tensor([0, 0]), torch.tensor([50, 99])), torch.tensor([-1, -1], dtype=torch.int32)))
+    param, low, tie = _split_buffers(256, torch.bfloat16)
+    _encode(master.view(-1), param, low, tie)
+    assert torch.equal(_decode(param, low, tie).view(2, 128).view(torch.int32), expected.view(torch.int32))
 
 
 # ============================================================================ 2. encodings, unit by unit

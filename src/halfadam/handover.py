@@ -25,7 +25,7 @@ from torch import Tensor
 from .distributed import all_reduce_found_inf, halfadam_optimizer, local, total_norm, zero_process_group
 
 __all__ = ["READY", "UNSCALED", "STEPPED", "new_handover", "unscale", "write_back", "adopt_grad_edits",
-           "grads_of", "clip_", "fused_check", "global_norm", "unscale_and_check_"]
+           "grads_of", "clip_", "clip_scale", "fused_check", "global_norm", "unscale_and_check_"]
 
 #: The stages of one optimizer's hand-over between two ``update`` calls.
 READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"
@@ -239,13 +239,14 @@ def clip_(st: Dict[str, Any], optimizer: Any, max_norm: float, norm_type: float)
 
 
 def fused_check(optimizer: Any, scale: Tensor, max_grad_norm: Optional[float],
-                process_group: Any) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """The fused hand-over's one pass over the scaled gradients: ``(found_inf, grad_scale, norm)``.
+                process_group: Any) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """The fused hand-over's one pass over the scaled gradients: ``(found_inf, grad_scale, norm, all_zero)``.
 
     ``found_inf``: a 1-element float32 tensor on ``scale``'s device, agreed over ``process_group``;
     ``grad_scale``: what ``optimizer.step(grad_scale=...)`` multiplies each gradient by (the inverse
     scale, times the clipping coefficient with ``max_grad_norm``); ``norm``: the unscaled global norm
-    before clipping (0-d float32) with ``max_grad_norm``, else ``None``.
+    before clipping (0-d float32) with ``max_grad_norm``, else ``None``; ``all_zero``: a bool tensor,
+    whether every (local) gradient is 0.
 
     The norm of the raw gradients from :func:`global_norm` cannot overflow, so it is inf/nan
     exactly when a gradient holds inf/nan: one reduction gives both the inf check and the
@@ -265,5 +266,25 @@ def fused_check(optimizer: Any, scale: Tensor, max_grad_norm: Optional[float],
     if max_grad_norm is not None:
         total = (raw.to(scale.device) * inv_scale).reshape(())  # unscaled, float64
         norm = total.float()
-        grad_scale = inv_scale * torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).float()
-    return found_inf, grad_scale, norm
+        grad_scale = inv_scale * _clip_coefficient(total, max_grad_norm)
+    return found_inf, grad_scale, norm, raw == 0
+
+
+def _clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (total + 1e-6))`` in float32, as ``torch.nn.utils.clip_grad_norm_``."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0).float()
+
+
+def clip_scale(optimizer: Any, max_grad_norm: float) -> Tuple[Optional[Tensor], Tensor]:
+    """Clipping without loss scaling, for a halfadam optimizer: ``(grad_scale, norm)``.
+
+    ``grad_scale``: the 1-element float32 clipping coefficient that ``optimizer.step(grad_scale=...)``
+    multiplies each gradient by as it reads it (``None`` without gradients); ``norm``: the global L2
+    norm of the gradients before clipping (0-d float32). No gradient is rewritten, so a float16
+    gradient is clipped in float32.
+    """
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return None, torch.zeros(())
+    total = global_norm(grads, 2.0)
+    return _clip_coefficient(total, max_grad_norm).reshape(1).to(local(grads[0]).device), total.float()

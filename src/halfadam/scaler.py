@@ -27,11 +27,14 @@ from .handover import READY as _READY, STEPPED as _STEPPED, UNSCALED as _UNSCALE
 __all__ = ["GradScaler", "Float16GradWarning"]
 
 
-#: The loss scale never goes below 2**-126, the smallest normal float32 (see :class:`GradScaler`).
+#: The smallest loss scale there can be, and ``min_scale``'s lower bound: 2**-126, the smallest normal
+#: float32, whose inverse is still finite (see :class:`GradScaler`).
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 _MAX_SCALE = torch.finfo(torch.float32).max
 #: :meth:`GradScaler.update` warns after this many consecutive overflowing steps.
 _OVERFLOW_WARNING_STEPS = 32
+#: ... and after this many consecutive steps whose gradients were all zero.
+_ZERO_WARNING_STEPS = 100
 
 
 def _real(name: str, value: Any) -> float:
@@ -93,16 +96,16 @@ def _checked_state(state_dict: Dict[str, Any]) -> Tuple[Tuple[float, float, floa
 
 
 def _update_scale_(scale: Tensor, tracker: Tensor, found_inf: Tensor, growth_factor: float, backoff_factor: float,
-                   growth_interval: int) -> None:
+                   growth_interval: int, min_scale: float) -> None:
     """The dynamic loss scale's rule, in place on the 1-element ``scale`` (float32) and ``tracker`` (int32,
     clean steps since the last change): after an inf/nan (``found_inf``, a bool tensor) the scale is
-    ``max(scale * backoff_factor, 2**-126)``; after ``growth_interval`` clean steps it grows by
+    ``max(scale * backoff_factor, min_scale)``; after ``growth_interval`` clean steps it grows by
     ``growth_factor`` unless that overflows float32. As torch.amp's ``_amp_update_scale_``, with the floor."""
     count = torch.where(found_inf, torch.zeros_like(tracker), tracker + 1)
     grow = count >= growth_interval
     grown = scale * growth_factor
     grown = torch.where(torch.isfinite(grown), grown, scale)
-    backed_off = torch.clamp(scale * backoff_factor, min=_MIN_SCALE)
+    backed_off = torch.clamp(scale * backoff_factor, min=min_scale)
     scale.copy_(torch.where(found_inf, backed_off, torch.where(grow, grown, scale)))
     tracker.copy_(torch.where(grow, torch.zeros_like(count), count))
 
@@ -112,15 +115,31 @@ def _capturable(optimizer: Any) -> bool:
     return halfadam_optimizer(optimizer) is optimizer and getattr(optimizer, "capturable", False)
 
 
-class _OverflowStreak:
-    """Counts consecutive overflowing steps; warns (UserWarning) once per run of them, when the scale
-    reaches its floor 2**-126 or the run reaches :data:`_OVERFLOW_WARNING_STEPS` steps."""
+class _Streaks:
+    """Counts consecutive overflowing steps and consecutive steps whose gradients were all zero; warns
+    (UserWarning) once per run of either: when the scale reaches its floor ``min_scale`` or the
+    overflows reach :data:`_OVERFLOW_WARNING_STEPS` steps, and when the zeros reach
+    :data:`_ZERO_WARNING_STEPS` steps."""
 
-    def __init__(self):
+    def __init__(self, min_scale: float):
+        self.min_scale = min_scale
         self.steps, self.warned = 0, False
+        self.zero_steps, self.zero_warned = 0, False
 
-    def record(self, overflow: bool, scale: Tensor) -> None:
-        """One step's outcome (``overflow``: its gradients held inf/nan); ``scale``: the new loss scale."""
+    def record(self, overflow: bool, all_zero: Optional[bool], scale: Tensor) -> None:
+        """One step's outcome (``overflow``: its gradients held inf/nan; ``all_zero``: they were all 0,
+        ``None`` if not known); ``scale``: the new loss scale."""
+        if all_zero and not overflow:
+            self.zero_steps += 1
+            if self.zero_steps >= _ZERO_WARNING_STEPS and not self.zero_warned:
+                self.zero_warned = True
+                warnings.warn(
+                    f"GradScaler: every gradient was 0 in {self.zero_steps} consecutive steps (loss scale "
+                    f"{scale.item():.3g}, min_scale {self.min_scale:.3g}): nothing is training. A scale far "
+                    f"below 1 flushes float16 gradients to 0 in the backward pass: raise min_scale; else "
+                    f"look for a loss that does not depend on the parameters.", UserWarning, stacklevel=3)
+        elif all_zero is not None or overflow:
+            self.zero_steps, self.zero_warned = 0, False
         if not overflow:
             self.steps, self.warned = 0, False
             return
@@ -128,14 +147,25 @@ class _OverflowStreak:
         if self.warned:
             return
         value = scale.item()
-        if value <= _MIN_SCALE or self.steps >= _OVERFLOW_WARNING_STEPS:
+        if value <= self.min_scale or self.steps >= _OVERFLOW_WARNING_STEPS:
             self.warned = True
-            reason = "reached its floor 2**-126" if value <= _MIN_SCALE else f"is {value:.3g}"
+            reason = (f"reached its floor min_scale={self.min_scale:.3g}" if value <= self.min_scale
+                      else f"is {value:.3g}")
             warnings.warn(
                 f"GradScaler: {self.steps} consecutive steps had inf/nan gradients and were "
                 f"skipped; the loss scale {reason}. Lowering the scale does not seem to cure it: look for "
                 f"inf/nan in the loss, the data or the model. Training resumes (and the scale grows "
                 f"again) at the first step with finite gradients.", UserWarning, stacklevel=3)
+
+
+def _clip_unscaled(scaler: "GradScaler", optimizer: Any, step_kwargs: Dict[str, Any]) -> Tensor:
+    """Clipping to ``max_grad_norm`` with scaling off; returns the norm before clipping. A halfadam
+    optimizer gets the coefficient as ``step_kwargs["grad_scale"]`` (applied in float32 as the kernel
+    reads each gradient); any other optimizer's ``.grad`` is clipped in place."""
+    if halfadam_optimizer(optimizer) is optimizer and step_kwargs.get("grad_scale") is None:
+        step_kwargs["grad_scale"], norm = handover.clip_scale(optimizer, scaler._max_grad_norm)
+        return norm
+    return scaler.clip_grad_norm_(optimizer, scaler._max_grad_norm)
 
 
 class Float16GradWarning(UserWarning):
@@ -163,13 +193,12 @@ class GradScaler:
     Args:
         device: ``"cpu"``, ``"cuda"`` or a ``torch.device`` for the scale tensor; ``None`` (default)
             takes the device of the first tensor passed to :meth:`scale`.
-        init_scale: initial loss scale, a real number in [2**-126, float32 max ~ 3.4e38] (see the
-            floor below). Default ``2**16``.
+        init_scale: initial loss scale, a real number in [``min_scale``, float32 max]. Default ``2**16``.
         growth_factor: factor (> 1, finite) applied after ``growth_interval`` consecutive clean steps.
         backoff_factor: factor in (0, 1) applied after a step with inf/nan gradients.
         growth_interval: clean steps (an int > 0) between growths.
-        enabled: ``False`` makes every method a pass-through (``scale`` returns its input, ``step``
-            calls ``optimizer.step()``).
+        enabled: ``False`` turns loss scaling off: ``scale`` returns its input and ``step`` calls
+            ``optimizer.step()`` (bfloat16 training), clipping first when ``max_grad_norm`` is given.
         process_group: the ranks that agree on skipping a step (keyword only). ``"auto"`` (default):
             the default process group when ``torch.distributed`` is initialized with world size > 1,
             else none; a ``ProcessGroup``: that group; ``None``: no agreement. With agreement the
@@ -178,9 +207,11 @@ class GradScaler:
             harmless under DDP (one 4-byte all-reduce per step). A ZeroRedundancyOptimizer always
             agrees over its own process group (its step is a collective; each rank checks only the
             gradients of its shard).
-        max_grad_norm: if given (a real number > 0, finite), :meth:`step` clips the gradients to this
-            global L2 norm of the unscaled gradients, over each optimizer's gradients (as
-            ``clip_grad_norm_`` would, without a separate call). ``None`` (default): no clipping.
+        max_grad_norm: a real number > 0, finite: :meth:`step` clips each optimizer's unscaled
+            gradients to this global L2 norm (as ``clip_grad_norm_``), scaling on or off;
+            :attr:`last_grad_norm` holds the norm before clipping. ``None`` (default): no clipping.
+        min_scale: the floor of the loss scale (keyword only; default 1.0), a real number in
+            [2**-126, ``init_scale``]: see the floor below.
 
     The fused hand-over: when :meth:`step` is called on a halfadam optimizer without a prior
     :meth:`unscale_`, the gradients are not unscaled into new tensors. One pass over the raw
@@ -203,23 +234,18 @@ class GradScaler:
     call the optimizer: parameters, master weights, moments and step counts stay bit-for-bit
     unchanged, and :meth:`update` multiplies the scale by ``backoff_factor``.
 
-    The scale's floor: unlike torch.amp.GradScaler, whose scale reaches 0.0 after about 150
-    consecutive overflows and never recovers, the scale never goes below 2**-126, the smallest
-    normal float32. That is the smallest scale whose inverse, the unscale factor, is a finite float32
-    (2**126; exact for powers of two): below it the inverse overflows to inf, unscaling turns every
-    zero gradient into nan (0 * inf), and every later step overflows again. At the floor, training
-    resumes as soon as the gradients are finite (the scale then grows as usual). Since inf/nan
-    that no scale cures (a nan in the loss, the data or the model) is the usual reason for a long
-    run of overflows, :meth:`update` warns (UserWarning) when the scale reaches the floor or after
-    32 consecutive overflowing steps (with the default factors the scale is then 2**-16: a float16
-    gradient would have to exceed 4e9 to overflow), once per run of consecutive overflows.
+    The scale's floor, ``min_scale`` (default 1.0, as DeepSpeed's and Megatron-LM's ``min_loss_scale``;
+    2**-126 at the lowest, the smallest with a finite inverse): an overflow never takes the scale
+    below it. torch.amp.GradScaler has none: after 100 overflows in a row its scale is 5e-26 and the
+    scaled float16 gradients flush to 0. :meth:`update` warns (UserWarning) once per run of consecutive overflows that
+    reaches the floor or 32 steps (the cause is then rarely the scale: look for inf/nan in the loss,
+    data or model), and once per run of 100 steps whose gradients were all 0 (known where
+    :meth:`step` computes the gradients' norm: the fused hand-over, or ``max_grad_norm``).
 
     Raises:
-        TypeError: an argument of the wrong type, e.g. a bool or a string where a number is meant
-            (named in the message).
+        TypeError: an argument of the wrong type, e.g. a bool for a number (named in the message).
         ValueError: an argument out of range (named in the message).
-        RuntimeError: the call sequence is broken (``unscale_`` twice, ``step`` twice without
-            ``update``, ``update`` without any step's inf check).
+        RuntimeError: a broken call sequence (e.g. ``unscale_`` twice, ``step`` twice without ``update``).
     """
 
     def __init__(
@@ -233,9 +259,13 @@ class GradScaler:
         max_grad_norm: Optional[float] = None,
         *,
         process_group: Any = AUTO,
+        min_scale: float = 1.0,
     ):
         (self._init_scale, self._growth_factor, self._backoff_factor,
          self._growth_interval) = _settings(init_scale, growth_factor, backoff_factor, growth_interval, "init_scale")
+        min_scale = _scale_value("min_scale", min_scale)
+        if self._init_scale < min_scale:
+            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}, the floor of the scale")
         if max_grad_norm is not None:
             max_grad_norm = _real("max_grad_norm", max_grad_norm)
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
@@ -255,7 +285,7 @@ class GradScaler:
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._init_growth_tracker = 0
-        self._overflows = _OverflowStreak()  # consecutive overflows, for the warning
+        self._streaks = _Streaks(min_scale)  # consecutive overflows and all-zero steps, for the warnings
         self._per_optimizer: Dict[int, Dict[str, Any]] = {}
         self._fp16_edit_warned = False  # the one-time Float16GradWarning (see step)
 
@@ -417,6 +447,8 @@ class GradScaler:
                 (unsupported, as in torch).
         """
         if not self._enabled:
+            if self._max_grad_norm is not None:  # clipping is asked for whether or not scaling is on
+                self.last_grad_norm = _clip_unscaled(self, optimizer, kwargs)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -432,6 +464,7 @@ class GradScaler:
             fp16_edit = handover.adopt_grad_edits(st, not self._fp16_edit_warned)
         if self._max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(optimizer, self._max_grad_norm)
+            st["all_zero"] = self.last_grad_norm == 0
         result = None
         capturable = _capturable(optimizer)  # the skip happens inside the kernel: nothing waits for found_inf
         if capturable or st["found_inf"].item() == 0.0:
@@ -452,8 +485,8 @@ class GradScaler:
         The check and the clipping coefficient come from one pass (:func:`halfadam.handover.fused_check`);
         the optimizer multiplies each gradient by ``grad_scale`` as it reads it.
         """
-        st["found_inf"], grad_scale, norm = handover.fused_check(optimizer, self._scale, self._max_grad_norm,
-                                                                  self._process_group)
+        st["found_inf"], grad_scale, norm, st["all_zero"] = handover.fused_check(
+            optimizer, self._scale, self._max_grad_norm, self._process_group)
         if norm is not None:
             self.last_grad_norm = norm
         # the optimizer skips where found_inf is set: on the host, or inside the kernel when it is capturable
@@ -464,10 +497,10 @@ class GradScaler:
     def update(self, new_scale: Optional[float] = None) -> None:
         """Set the next loss scale: back off after an inf/nan, grow after ``growth_interval`` clean steps.
 
-        After an overflow the scale is ``max(scale * backoff_factor, 2**-126)`` (the floor, see the
+        After an overflow the scale is ``max(scale * backoff_factor, min_scale)`` (the floor, see the
         class docstring; torch.amp.GradScaler's has none); a growth that would overflow float32 keeps
         the scale. Warns (UserWarning) once per run of consecutive overflows, when the scale reaches
-        the floor or the run reaches 32 steps.
+        the floor or the run reaches 32 steps, and once per run of 100 steps whose gradients were all 0.
 
         Args:
             new_scale: use this scale instead (a real number or a 1-element tensor, in [2**-126,
@@ -490,8 +523,10 @@ class GradScaler:
                 raise RuntimeError("No inf checks were recorded prior to update().")
             found_inf = torch.stack([f.to(self._scale.device) for f in found]).sum() > 0
             _update_scale_(self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
-                           self._growth_interval)
-            self._overflows.record(bool(found_inf), self._scale)  # step() has synchronized on found_inf already
+                           self._growth_interval, self._streaks.min_scale)
+            zeros = [st.get("all_zero") for st in self._per_optimizer.values()]
+            all_zero = None if any(z is None for z in zeros) else all(bool(z) for z in zeros)
+            self._streaks.record(bool(found_inf), all_zero, self._scale)  # step() synchronized on found_inf
         self._per_optimizer.clear()
 
     # ------------------------------------------------------------------ state
@@ -515,7 +550,9 @@ class GradScaler:
         """Load a state from :meth:`state_dict` (or from ``torch.amp.GradScaler``); checked first.
 
         Each value is checked as the constructor checks its argument (``scale`` as ``init_scale``;
-        ``_growth_tracker``: an int >= 0); nothing is changed unless every check passes.
+        ``_growth_tracker``: an int >= 0); nothing is changed unless every check passes. A ``scale``
+        below ``min_scale`` (a torch.amp.GradScaler's after many overflows) starts at ``min_scale``,
+        with a UserWarning.
 
         Raises:
             RuntimeError: loading a non-empty state into a disabled scaler, or an empty one.
@@ -530,6 +567,11 @@ class GradScaler:
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
         settings, tracker = _checked_state(state_dict)
+        if settings[0] < self._streaks.min_scale:
+            warnings.warn(f"GradScaler.load_state_dict: the saved loss scale {settings[0]:.3g} is below this "
+                          f"scaler's min_scale={self._streaks.min_scale:.3g} (torch.amp.GradScaler has no floor); "
+                          f"it starts at min_scale", UserWarning, stacklevel=2)
+            settings = (self._streaks.min_scale,) + settings[1:]
         self._init_scale, self._growth_factor, self._backoff_factor, self._growth_interval = settings
         self._init_growth_tracker = tracker
         if self._scale is not None:
