@@ -21,6 +21,7 @@ import hashlib
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -300,7 +301,8 @@ def _remove_dead_temporaries(directory: Path) -> None:
     """Remove the temporary files in ``directory`` of save_checkpoint calls whose process has ended (killed).
 
     Only files this machine's processes wrote (same boot and pid namespace) whose writer is provably gone
-    are removed; a live writer's file, or any other file, is never touched. Errors are ignored.
+    are removed; a live writer's file, or any other file, is never touched. Errors are ignored. The
+    temporary directories of :func:`halfadam.distributed.save_checkpoint` (same names) are removed too.
     """
     scope = _writer_scope()
     if scope is None:
@@ -313,7 +315,10 @@ def _remove_dead_temporaries(directory: Path) -> None:
         match = _TMP_NAME.match(name)
         if match and match[3] == scope and _writer_gone(int(match[1]), match[2]):
             try:
-                os.unlink(directory / name)
+                if (directory / name).is_dir() and not (directory / name).is_symlink():
+                    shutil.rmtree(directory / name, ignore_errors=True)
+                else:
+                    os.unlink(directory / name)
             except OSError:
                 pass
 
