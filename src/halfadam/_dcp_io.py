@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .checkpoint import _remove_dead_temporaries, _writer_tag
+from ._tempfiles import _remove_dead_temporaries, _writer_tag
 from .state_dict import CheckpointError
 
 __all__ = ["MANIFEST", "ChecksummedWriter", "ChecksummedReader", "SafeLoadPlanner", "sha256_of", "read_manifest",
