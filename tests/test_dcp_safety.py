@@ -30,6 +30,7 @@ import torch
 
 import halfadam
 import halfadam.distributed as hd
+from conftest import needs_gloo
 from test_dcp_checkpoints import make, same, snapshot, train
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -296,3 +297,66 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkey
     model2, opt2 = make("compact", seed=1)
     assert hd.load_checkpoint(path, model2, opt2) == {"step": 3}
     assert same(snapshot(model2, opt2), snapshot(old_model, old_opt))
+
+
+# ------------------------------------------------------------------------------ on 2 ranks
+def _full_disk_worker(rank, world, out):
+    """Both ranks save over a checkpoint of theirs while rank 1's disk is full: both get the full-disk
+    error (rank 1's OSError crosses to rank 0), and both then load the previous checkpoint bitwise."""
+    import contextlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from test_dcp_checkpoints import _fsdp, _local_bytes
+
+    dist = torch.distributed
+    path = Path(out) / "ckpt"
+    model, opt = make("compact")
+    model = _fsdp(model)
+    opt = halfadam.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, state_mode="compact")
+    train(model, opt)
+    hd.save_checkpoint(path, model, opt, extra={"step": 3})
+    saved = _local_bytes(model, opt)
+    train(model, opt, 1, seed=3)
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full(self, file, mode):
+        if "w" in mode and rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        with real(self, file, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = full
+    try:
+        hd.save_checkpoint(path, model, opt, extra={"step": 4})
+        error = None
+    except halfadam.CheckpointError as exc:
+        error = str(exc)
+    finally:
+        FileSystem.create_stream = real
+    dist.barrier()
+    left = sorted(os.listdir(out))
+    m2 = _fsdp(make("compact", seed=1)[0])
+    o2 = halfadam.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, state_mode="compact")
+    extra = hd.load_checkpoint(path, m2, o2)
+    bitwise = all(torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+                  for a, b in zip(saved, _local_bytes(m2, o2)))
+    results = [None] * world
+    dist.all_gather_object(results, (error, left, extra, bitwise))
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
+
+
+@needs_gloo
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_checkpoint(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hd.launch(_full_disk_worker, 2, str(tmp_path), timeout_s=120)
+    for error, left, extra, bitwise in torch.load(tmp_path / "results.pt"):
+        assert error is not None and error.startswith(f"cannot save the checkpoint {tmp_path / 'ckpt'}: rank 1: the "
+                                                      f"disk is full (no space left on device: "), error
+        assert left == ["ckpt"] and extra == {"step": 3} and bitwise
