@@ -251,7 +251,8 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
     Raises:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
         CheckpointError: nothing is saved under ``key`` in ``checkpoint_id`` (the message lists the
-            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest.
+            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest or names a
+            global that DCP's metadata never holds (it is unpickled admitting only DCP's classes).
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
@@ -492,7 +493,9 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     DCP's way). State is matched to parameters by name, as DCP does. In order:
 
     1. the files are checked against the checkpoint's SHA-256 manifest before any is read (a
-       checkpoint written without one, by plain ``dcp.save``, is read unchecked);
+       checkpoint written without one, by plain ``dcp.save``, is read unchecked); ``.metadata`` is
+       unpickled admitting only DCP's metadata classes, and every non-tensor item (the groups' values,
+       the extra data) with ``torch.load(weights_only=True)``, so nothing in the checkpoint runs code;
     2. DCP loads into staging tensors: new ones of the model's and of a temporary optimizer's state
        (one more copy of the model and of the optimizer state in memory while it runs);
     3. then the model's parameters and buffers are copied in, and the optimizer's state is loaded
@@ -506,8 +509,9 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         The ``extra`` data saved with the checkpoint (``{}`` when none was).
 
     Raises:
-        CheckpointError: a file fails the manifest (the message names it), nothing is saved under
-            ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
+        CheckpointError: a file fails the manifest (the message names it), ``.metadata`` or a
+            non-tensor item names a global a halfadam checkpoint never holds (named, with its file;
+            nothing of it runs), nothing is saved under ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
             derives from ``BaseException``, is the cause), or the optimizer state does not fit
             ``optimizer`` (its ``load_state_dict``'s message).
         KeyboardInterrupt, SystemExit: as raised, also from inside DCP (nothing changed).
