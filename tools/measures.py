@@ -21,7 +21,7 @@ MAX_CLASS, MAX_FUNCTION, MAX_README = 400, 80, 250
 
 # Bottom first. A module may import from its own layer or from any layer below it.
 LAYERS = [
-    ["_dtensor", "_codes_20261201", "functional", "kernels.cpp"],
+    ["_dtensor", "_codes_20261201", "_tempfiles", "functional", "kernels.cpp"],
     ["hyperparams", "schedules"],
     ["encodings", "kernels.triton", "kernels"],
     ["buckets"],

@@ -16,7 +16,6 @@ loading any of them.
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import os
 import pickle
@@ -29,6 +28,8 @@ import torch
 from torch import Tensor
 
 from . import encodings
+from ._tempfiles import _remove_dead_temporaries, _writer_tag
+from ._tempfiles import _TMP_NAME, _process_start, _writer_scope  # noqa: F401  (tests/test_checkpoint.py)
 from .distributed import halfadam_optimizer
 from .state_dict import (CheckpointError, _commit_load, _prepare_load, _where, load_optimizer_state_dict,
                          master_state_dict, optimizer_state_dict, to_torch_state_dict)
@@ -249,73 +250,6 @@ def _digest(obj: Any) -> str:
 
 def _state_of(obj: Any) -> Any:
     return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
-
-
-#: save_checkpoint's temporary files: ``.<name>.<random>.<pid>-<start>-<scope>.tmp`` (see _writer_tag).
-_TMP_NAME = re.compile(r"^\..+\.([1-9][0-9]{0,9})-([0-9]+)-([0-9a-f]{8})\.tmp$")
-
-
-def _process_start(pid: int) -> Optional[str]:
-    """When process ``pid`` started (clock ticks after boot, from /proc), or ``None`` if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _writer_scope() -> Optional[str]:
-    """This boot and pid namespace, hashed: where a pid and start time name one process. ``None`` without /proc."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    return hashlib.sha256(f"{boot} {namespace}".encode()).hexdigest()[:8]
-
-
-def _writer_tag() -> str:
-    """The end of this process's temporary file names: pid, start time and scope (empty without /proc)."""
-    pid, scope = os.getpid(), _writer_scope()
-    start = _process_start(pid)
-    return f".{pid}-{start}-{scope}" if scope and start else ""
-
-
-def _writer_gone(pid: int, start: str) -> bool:
-    """Whether the process ``pid`` that started at ``start`` has provably ended (a reused pid has another start)."""
-    now = _process_start(pid)
-    if now is not None:
-        return now != start
-    try:
-        os.kill(pid, 0)  # /proc/<pid> unreadable: the pid is free (the writer is gone) or hidden (unknown)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):
-        pass
-    return False
-
-
-def _remove_dead_temporaries(directory: Path) -> None:
-    """Remove the temporary files in ``directory`` of save_checkpoint calls whose process has ended (killed).
-
-    Only files this machine's processes wrote (same boot and pid namespace) whose writer is provably gone
-    are removed; a live writer's file, or any other file, is never touched. Errors are ignored.
-    """
-    scope = _writer_scope()
-    if scope is None:
-        return
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        match = _TMP_NAME.match(name)
-        if match and match[3] == scope and _writer_gone(int(match[1]), match[2]):
-            try:
-                os.unlink(directory / name)
-            except OSError:
-                pass
 
 
 class _RecordingWriter:

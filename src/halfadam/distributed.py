@@ -37,11 +37,13 @@ stride=param.stride())``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import io
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -249,7 +251,8 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
     Raises:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
         CheckpointError: nothing is saved under ``key`` in ``checkpoint_id`` (the message lists the
-            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest.
+            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest or names a
+            global that DCP's metadata never holds (it is unpickled admitting only DCP's classes).
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
@@ -406,19 +409,29 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
     from rank 0 (every rank gets rank 0's back: key per-rank data by rank yourself). Written by
     :class:`halfadam._dcp_io.ChecksummedWriter`: DCP's ``FileSystemWriter``, then the SHA-256 of every
     file in ``halfadam.sha256`` (``sha256sum -c`` reads it), which :func:`load_checkpoint` checks
-    before reading anything. Into an existing directory the files are replaced in place; a save that
-    dies half-way leaves files that fail the check.
+    before reading anything.
+
+    Atomically: the checkpoint is written whole into a new directory beside ``checkpoint_id``
+    (``.<name>.<random>.<pid>-<start>-<scope>.tmp``, named by rank 0 and broadcast), and once its
+    manifest is written, rank 0 exchanges it with the previous checkpoint in one step
+    (``renameat2(RENAME_EXCHANGE)``; where the file system lacks it, two renames) and removes the old
+    one; every rank returns after that. So a save killed or failing at any point leaves the previous
+    checkpoint (or, once exchanged, the new one) whole at ``checkpoint_id``; the temporary directory of
+    a killed save is removed by the next save in that directory. An existing ``checkpoint_id`` must be a
+    DCP checkpoint directory (or empty): one holding other files is refused, as the save replaces it.
 
     Raises:
         CheckpointError: ``extra`` holds an object ``weights_only`` cannot load (before anything is
             written); the optimizer cannot give its state (a resized parameter: its ValueError is the
-            cause); DCP failed to write (its ``CheckpointException`` or an ``OSError`` is the cause; the
-            message names the rank and the first failure).
+            cause); ``checkpoint_id`` is a file or a directory with other files; DCP failed to write
+            (its ``CheckpointException`` or an ``OSError`` is the cause; the message names the rank
+            and the first failure, and says when the disk is full). The previous checkpoint is as it
+            was and the temporary directory is removed.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from ._dcp_io import ChecksummedWriter
+    from . import _dcp_io
 
     where = f"cannot save the checkpoint {checkpoint_id}"
     with _checkpoint_errors(where):
@@ -436,8 +449,38 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
                                   f"(numbers, strings, lists, dicts, tensors): {found[0] if found else exc}") from exc
         blob.seek(0)
         state[EXTRA_KEY] = blob
-    with _checkpoint_errors(where), _quiet_dcp():
-        dcp.save(state, storage_writer=ChecksummedWriter(str(checkpoint_id)))
+    lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    path = Path(os.path.realpath(checkpoint_id))  # a link to a checkpoint: the checkpoint it names
+    tmp = None
+    try:
+        with _checkpoint_errors(where):
+            tmp = _from_rank0(_dcp_io.new_sibling, path)
+        with _checkpoint_errors(where), _quiet_dcp():
+            dcp.save(state, storage_writer=_dcp_io.ChecksummedWriter(str(tmp)))
+        with _checkpoint_errors(where):
+            _from_rank0(_dcp_io.swap_in, tmp, path)
+        tmp = None
+    finally:
+        if lead and tmp is not None:
+            _dcp_io._remove_tree(tmp)
+
+
+def _from_rank0(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on rank 0 (of the default process group; in one process: here), its result or
+    its exception on every rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn(*args)
+    box: List[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+            box[1] = exc
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
 
 
 def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None, optimizer: Any = None, *,
@@ -450,7 +493,9 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     DCP's way). State is matched to parameters by name, as DCP does. In order:
 
     1. the files are checked against the checkpoint's SHA-256 manifest before any is read (a
-       checkpoint written without one, by plain ``dcp.save``, is read unchecked);
+       checkpoint written without one, by plain ``dcp.save``, is read unchecked); ``.metadata`` is
+       unpickled admitting only DCP's metadata classes, and every non-tensor item (the groups' values,
+       the extra data) with ``torch.load(weights_only=True)``, so nothing in the checkpoint runs code;
     2. DCP loads into staging tensors: new ones of the model's and of a temporary optimizer's state
        (one more copy of the model and of the optimizer state in memory while it runs);
     3. then the model's parameters and buffers are copied in, and the optimizer's state is loaded
@@ -464,8 +509,9 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         The ``extra`` data saved with the checkpoint (``{}`` when none was).
 
     Raises:
-        CheckpointError: a file fails the manifest (the message names it), nothing is saved under
-            ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
+        CheckpointError: a file fails the manifest (the message names it), ``.metadata`` or a
+            non-tensor item names a global a halfadam checkpoint never holds (named, with its file;
+            nothing of it runs), nothing is saved under ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
             derives from ``BaseException``, is the cause), or the optimizer state does not fit
             ``optimizer`` (its ``load_state_dict``'s message).
         KeyboardInterrupt, SystemExit: as raised, also from inside DCP (nothing changed).
@@ -473,7 +519,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    from ._dcp_io import ChecksummedReader
+    from ._dcp_io import ChecksummedReader, SafeLoadPlanner
 
     where = f"cannot load the checkpoint {checkpoint_id}"
     with _checkpoint_errors(where):
@@ -495,7 +541,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         staged, live = _staging(model, optimizer, options, checkpoint_id, keys, key, model_key)
         if staged:
             with _checkpoint_errors(where, unchecked=reader.manifest is None), _quiet_dcp():
-                dcp.load(staged, storage_reader=reader)
+                dcp.load(staged, storage_reader=reader, planner=SafeLoadPlanner(checkpoint_id))
         extra: Dict[str, Any] = {}
         if EXTRA_KEY in staged:
             with _checkpoint_errors(f"{where}: its extra data"):
@@ -539,12 +585,14 @@ def _staging(model: Optional[torch.nn.Module], optimizer: Any, options: Any, che
 
 def verify_checkpoint(checkpoint_id: Any) -> None:
     """Check every file of the DCP checkpoint ``checkpoint_id`` against its SHA-256 manifest (all of
-    them: a load checks only the files it reads), without loading anything. A checkpoint without a
-    manifest passes unchecked.
+    them: a load checks only the files it reads), and read its ``.metadata`` and every non-tensor
+    item as a load does (refusing anything but plain data), without loading anything into a model.
+    A checkpoint without a manifest is read unchecked.
 
     Raises:
         CheckpointError: a file is missing, corrupt, truncated or not in the manifest (named); the
-            manifest does not list ``.metadata``.
+            manifest does not list ``.metadata``; ``.metadata`` or a non-tensor item holds an object
+            that a halfadam checkpoint never contains (named, with its file).
     """
     from ._dcp_io import ChecksummedReader
 
@@ -554,6 +602,7 @@ def verify_checkpoint(checkpoint_id: Any) -> None:
             if ".metadata" not in reader.manifest:
                 raise CheckpointError(f"{checkpoint_id}: its manifest does not list .metadata")
             reader.check(reader.manifest)
+        reader.check_objects(reader.read_metadata())
 
 
 def _cloned(tree: Any) -> Any:
@@ -619,6 +668,10 @@ def _first_failure(exc: BaseException) -> str:
         return where + _first_failure(inner)
     if isinstance(exc, CheckpointError):
         return str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full (no space left on device{': ' + str(exc.filename) if exc.filename else ''})"
+    if isinstance(exc, RuntimeError) and isinstance(exc.__context__, OSError):  # torch.save's "enforce fail"
+        return _first_failure(exc.__context__)
     # DCP's metadata fallback wraps the first error in an AssertionError: keep halfadam's own message
     cause = exc.__cause__ or exc.__context__
     if isinstance(cause, CheckpointError):

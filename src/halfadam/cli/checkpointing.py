@@ -36,8 +36,8 @@ def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: 
 
     ``--dist ddp``: DIR/<mode>.pt (rank 0; atomically, :func:`halfadam.checkpoint.save_checkpoint`).
     ``--dist fsdp``: the DCP directory DIR/<mode>.dcp (every rank writes its shards,
-    :func:`halfadam.distributed.save_checkpoint`, with its SHA-256 manifest), written beside the old one
-    and swapped in once whole, so a save that dies half-way leaves the previous checkpoint.
+    :func:`halfadam.distributed.save_checkpoint`, with its SHA-256 manifest, which writes it beside the old
+    one and swaps it in once whole, so a save that dies half-way leaves the previous checkpoint).
     """
     from halfadam.checkpoint import CheckpointError, save_checkpoint
 
@@ -47,8 +47,10 @@ def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: 
     path = _checkpoint_path(cfg, cfg.save, mode.name)
     try:
         if cfg.dist == "fsdp":
-            _save_sharded(path, model, optimizer,
-                          objects if scaler is None else dict(objects, scaler=scaler.state_dict()))
+            from halfadam.distributed import save_checkpoint as save_sharded
+
+            save_sharded(path, model, optimizer,
+                         extra=objects if scaler is None else dict(objects, scaler=scaler.state_dict()))
         else:
             save_checkpoint(path, model=model, optimizer=optimizer, **objects,
                             **({} if scaler is None else {"scaler": scaler}))
@@ -56,32 +58,6 @@ def _save_mode(cfg: TrainConfig, mode: Mode, model, optimizer, scaler, history: 
         raise CLIError(f"--save {cfg.save}: {exc}") from None
     except OSError as exc:
         raise CLIError(f"--save {cfg.save}: cannot write the checkpoint {path}: {exc.strerror or exc}") from None
-
-
-def _save_sharded(path: Path, model, optimizer, extra: dict) -> None:
-    """A DCP checkpoint at ``path``, written whole to ``path.tmp`` first (every rank) and then swapped in
-    (rank 0, between barriers)."""
-    import shutil
-
-    from halfadam.distributed import save_checkpoint as save_sharded
-
-    dist = torch.distributed
-    grouped = dist.is_available() and dist.is_initialized()
-    lead = not grouped or dist.get_rank() == 0
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if lead:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if grouped:
-        dist.barrier()
-    save_sharded(tmp, model, optimizer, extra=extra)
-    if lead:
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    if grouped:
-        dist.barrier()
 
 
 def _checkpoint_path(cfg: TrainConfig, directory: str, name: str) -> Path:

@@ -1,0 +1,362 @@
+"""halfadam.distributed's saves and loads under attack and faults (issue 33, items 5, 10, 11).
+
+* A load never runs code from the checkpoint: a ``.metadata`` or a non-tensor item that names any
+  other global (here ``os.system``, writing a marker file) is refused naming the file, by every load
+  path and by ``verify_checkpoint``, even with a manifest recomputed to match; checkpoints of every
+  state mode still load bitwise.
+* A save over an existing checkpoint, killed (SIGKILL) at any point, leaves the old or the new
+  checkpoint whole at the path; the next save removes the killed one's leftovers.
+* A full disk (ENOSPC, simulated at the file writes) is reported as such, naming the path; the previous
+  checkpoint loads bitwise and no temporary directory stays.
+
+Expected values are the saved objects' own tensors, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import halfadam
+import halfadam.distributed as hd
+from conftest import needs_gloo
+from test_dcp_checkpoints import make, same, snapshot, train
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MODES = ["fp32", "split", "bf16", "compact", "tiny"]
+
+
+def _rewrite_manifest(path: Path) -> None:
+    """The manifest recomputed over the files as they are now (what a tamperer does)."""
+    lines = (path / "halfadam.sha256").read_text().splitlines()
+    names = [line.split("  ", 1)[1] for line in lines]
+    (path / "halfadam.sha256").write_text(
+        "".join(f"{hashlib.sha256((path / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _saved(path: Path, mode: str = "compact", seed: int = 0):
+    model, opt = make(mode, seed=seed)
+    train(model, opt, seed=seed)
+    hd.save_checkpoint(path, model, opt, extra={"step": 3})
+    return model, opt
+
+
+# ------------------------------------------------------------------------------ item 5: no code runs
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_still_loads_bitwise(tmp_path, mode):
+    """The restricted unpickler and planner admit everything halfadam writes: every state mode, with a
+    schedule and extra data, loads into a fresh optimizer of the same mode byte for byte."""
+    model, opt = _saved(tmp_path / "ckpt", mode)
+    hd.verify_checkpoint(tmp_path / "ckpt")
+    model2, opt2 = make(mode, seed=1)
+    assert hd.load_checkpoint(tmp_path / "ckpt", model2, opt2) == {"step": 3}
+    assert same(snapshot(model2, opt2), snapshot(model, opt))
+
+
+def test_torch_optimizer_and_plain_dcp_checkpoints_still_load(tmp_path):
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    hd.save_checkpoint(tmp_path / "t", model, opt)
+    model2 = torch.nn.Linear(6, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    hd.load_checkpoint(tmp_path / "t", model2, opt2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "plain"))  # no manifest
+    model3 = torch.nn.Linear(6, 3)
+    hd.load_checkpoint(tmp_path / "plain", model3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values()))
+
+
+@pytest.mark.parametrize("manifest", ["recomputed", "removed"])
+def test_a_metadata_file_that_runs_code_is_refused(tmp_path, manifest):
+    path = tmp_path / "ckpt"
+    _saved(path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    if manifest == "recomputed":
+        _rewrite_manifest(path)
+    else:
+        (path / "halfadam.sha256").unlink()
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+    calls = {"load model and optimizer": lambda: hd.load_checkpoint(path, model, opt),
+             "load the model": lambda: hd.load_checkpoint(path, model),
+             "load extra": lambda: hd.load_checkpoint(path),
+             "layout": lambda: hd.get_optimizer_state_dict(model, opt, checkpoint_id=path),
+             "verify": lambda: hd.verify_checkpoint(path)}
+    for what, call in calls.items():
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        message = str(info.value)
+        assert f"{path / '.metadata'}: holds a reference to posix.system, which a halfadam checkpoint never " \
+               f"contains; refusing to load it" in message, (what, message)
+        assert not marker.exists(), what
+    assert same(snapshot(model, opt), before)
+
+
+def test_metadata_that_is_not_dcp_metadata_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    _saved(path)
+    (path / ".metadata").write_bytes(pickle.dumps({"a": [1, 2]}))
+    _rewrite_manifest(path)
+    with pytest.raises(halfadam.CheckpointError, match=r"\.metadata: holds a dict, not DCP's checkpoint metadata"):
+        hd.load_checkpoint(path)
+
+
+def test_a_non_tensor_item_that_runs_code_is_refused(tmp_path):
+    """A checkpoint written by halfadam's own writer (so its manifest matches) whose extra data is an
+    object that runs code when unpickled: every load reads the extra data (a model-only and an
+    extra-only one too), and each refuses it naming the data file and the item; so does
+    verify_checkpoint. DCP's own planner would have run it (``torch.load(weights_only=False)``)."""
+    from halfadam._dcp_io import ChecksummedWriter
+
+    source, source_opt = make("compact")
+    train(source, source_opt)
+    path, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    state = {"model": dcp.state_dict.get_model_state_dict(source),
+             "optim": hd.get_optimizer_state_dict(source, source_opt), hd.EXTRA_KEY: _Evil(marker)}
+    dcp.save(state, storage_writer=ChecksummedWriter(str(path)))
+    assert not marker.exists()
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+    for call in (lambda: hd.load_checkpoint(path, model, opt), lambda: hd.load_checkpoint(path, model),
+                 lambda: hd.load_checkpoint(path), lambda: hd.verify_checkpoint(path)):
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        message = str(info.value)
+        assert f"{path / '__0_0.distcp'} (its item extra): holds a reference to posix.system, which a halfadam " \
+               f"checkpoint never contains; refusing to load it" in message, message
+        assert not marker.exists()
+    assert same(snapshot(model, opt), before)
+
+
+# ------------------------------------------------------------------------------ item 10: kill -9
+_CHILD = textwrap.dedent("""
+    import os, sys, time, warnings
+    warnings.simplefilter("ignore")
+    import halfadam.distributed as hd
+    from halfadam import _dcp_io
+    from test_dcp_checkpoints import make, train
+
+    point, path = sys.argv[1], sys.argv[2]
+
+    def pause(real):
+        def paused(*args, **kwargs):
+            print("PAUSED", flush=True)
+            time.sleep(120)
+            return real(*args, **kwargs)
+        return paused
+
+    if point == "data written":       # every .distcp file written, no .metadata or manifest yet
+        _dcp_io.ChecksummedWriter.finish = pause(_dcp_io.ChecksummedWriter.finish)
+    elif point == "manifest written":  # the new checkpoint whole, not yet swapped in
+        _dcp_io.swap_in = pause(_dcp_io.swap_in)
+    elif point == "swapped":          # the new checkpoint in place, the old one not yet removed
+        _dcp_io._remove_tree = pause(_dcp_io._remove_tree)
+    model, opt = make("compact", seed=5)
+    train(model, opt, seed=5)
+    hd.save_checkpoint(path, model, opt, extra={"step": 5})
+    print("DONE", flush=True)
+""")
+
+
+@pytest.mark.parametrize("point", ["data written", "manifest written", "swapped"])
+def test_a_save_killed_over_a_checkpoint_leaves_a_whole_one(tmp_path, point):
+    path = tmp_path / "ckpt"
+    old_model, old_opt = _saved(path)
+    new_model, new_opt = make("compact", seed=5)
+    train(new_model, new_opt, seed=5)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(halfadam.__file__).parents[1]),
+                                                       str(Path(__file__).parent)]))
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, point, str(path)], stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        line = child.stdout.readline().strip()
+        assert line == "PAUSED", line
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    model, opt = make("compact", seed=1)
+    extra = hd.load_checkpoint(path, model, opt)
+    want = (new_model, new_opt, 5) if point == "swapped" else (old_model, old_opt, 3)
+    assert extra == {"step": want[2]} and same(snapshot(model, opt), snapshot(want[0], want[1]))
+    hd.verify_checkpoint(path)
+    assert len(os.listdir(tmp_path)) == 2  # the checkpoint and the killed save's temporary directory
+    hd.save_checkpoint(path, old_model, old_opt, extra={"step": 3})  # the next save removes it
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_save_over_a_checkpoint_replaces_it_whole(tmp_path):
+    """No file of the old checkpoint stays (a save of fewer files than before), with and without the
+    one-step exchange."""
+    import halfadam._dcp_io as io_module
+
+    path = tmp_path / "ckpt"
+    _saved(path)
+    (path / "__7_0.distcp").write_bytes(b"a file of an older save")
+    model, opt = make("fp32", seed=4)
+    hd.save_checkpoint(path, model, opt)
+    assert "__7_0.distcp" not in os.listdir(path) and os.listdir(tmp_path) == ["ckpt"]
+    real = io_module._exchange
+    try:
+        io_module._exchange = lambda a, b: False
+        model2, opt2 = make("bf16", seed=6)
+        train(model2, opt2, 1, seed=6)
+        hd.save_checkpoint(path, model2, opt2)
+    finally:
+        io_module._exchange = real
+    assert os.listdir(tmp_path) == ["ckpt"]
+    model3, opt3 = make("bf16", seed=1)
+    hd.load_checkpoint(path, model3, opt3)
+    assert same(snapshot(model3, opt3), snapshot(model2, opt2))
+
+
+def test_a_directory_with_other_files_is_not_replaced(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    model, opt = make("fp32")
+    with pytest.raises(halfadam.CheckpointError, match=r"run holds 'notes.txt', which is not a file of a DCP "
+                                                       r"checkpoint"):
+        hd.save_checkpoint(tmp_path / "run", model, opt)
+    assert os.listdir(tmp_path / "run") == ["notes.txt"] and os.listdir(tmp_path) == ["run"]
+
+
+# ------------------------------------------------------------------------------ item 11: full disk
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata.tmp"])
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkeypatch, victim):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    path = tmp_path / "ckpt"
+    old_model, old_opt = _saved(path)
+    real = FileSystem.create_stream
+
+    class Full(io.RawIOBase):
+        """A file on a disk with 1000 bytes left."""
+
+        def __init__(self, raw):
+            self.raw, self.left = raw, 1000
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            n = len(memoryview(b))
+            if n > self.left:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= n
+            return self.raw.write(b)
+
+        def fileno(self):
+            return self.raw.fileno()
+
+        def tell(self):
+            return self.raw.tell()
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def create_stream(self, file, mode):
+        with real(self, file, mode) as stream:
+            yield Full(stream) if "w" in mode and Path(file).name == victim else stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    model, opt = make("compact", seed=5)
+    train(model, opt, seed=5)
+    with pytest.raises(halfadam.CheckpointError) as info:
+        hd.save_checkpoint(path, model, opt)
+    message = str(info.value)
+    assert message.startswith(f"cannot save the checkpoint {path}: the disk is full (no space left on device"), message
+    assert "enforce fail" not in message
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ckpt"]  # no temporary directory left
+    model2, opt2 = make("compact", seed=1)
+    assert hd.load_checkpoint(path, model2, opt2) == {"step": 3}
+    assert same(snapshot(model2, opt2), snapshot(old_model, old_opt))
+
+
+# ------------------------------------------------------------------------------ on 2 ranks
+def _full_disk_worker(rank, world, out):
+    """Both ranks save over a checkpoint of theirs while rank 1's disk is full: both get the full-disk
+    error (rank 1's OSError crosses to rank 0), and both then load the previous checkpoint bitwise."""
+    import contextlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from test_dcp_checkpoints import _fsdp, _local_bytes
+
+    dist = torch.distributed
+    path = Path(out) / "ckpt"
+    model, opt = make("compact")
+    model = _fsdp(model)
+    opt = halfadam.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, state_mode="compact")
+    train(model, opt)
+    hd.save_checkpoint(path, model, opt, extra={"step": 3})
+    saved = _local_bytes(model, opt)
+    train(model, opt, 1, seed=3)
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full(self, file, mode):
+        if "w" in mode and rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        with real(self, file, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = full
+    try:
+        hd.save_checkpoint(path, model, opt, extra={"step": 4})
+        error = None
+    except halfadam.CheckpointError as exc:
+        error = str(exc)
+    finally:
+        FileSystem.create_stream = real
+    dist.barrier()
+    left = sorted(os.listdir(out))
+    m2 = _fsdp(make("compact", seed=1)[0])
+    o2 = halfadam.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, state_mode="compact")
+    extra = hd.load_checkpoint(path, m2, o2)
+    bitwise = all(torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b)
+                  for a, b in zip(saved, _local_bytes(m2, o2)))
+    results = [None] * world
+    dist.all_gather_object(results, (error, left, extra, bitwise))
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
+
+
+@needs_gloo
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_checkpoint(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hd.launch(_full_disk_worker, 2, str(tmp_path), timeout_s=120)
+    for error, left, extra, bitwise in torch.load(tmp_path / "results.pt"):
+        assert error is not None and error.startswith(f"cannot save the checkpoint {tmp_path / 'ckpt'}: rank 1: the "
+                                                      f"disk is full (no space left on device: "), error
+        assert left == ["ckpt"] and extra == {"step": 3} and bitwise
