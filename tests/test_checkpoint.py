@@ -610,8 +610,10 @@ def test_non_plain_entries_need_weights_only_false(tmp_path):
     from fractions import Fraction
 
     path = checkpoint.save_checkpoint(tmp_path / "c.pt", extra=Fraction(1, 3), step=4)
-    with pytest.raises(CheckpointError, match="weights_only=False"):
+    with pytest.raises(CheckpointError, match=r"allow it: with torch.serialization.safe_globals\(\[fractions.Fraction\]\)"):
         checkpoint.load_checkpoint(path)
+    with torch.serialization.safe_globals([Fraction]):  # the way the message names
+        assert checkpoint.load_checkpoint(path)["extra"] == Fraction(1, 3)
     assert checkpoint.load_checkpoint(path, weights_only=False)["extra"] == Fraction(1, 3)
     # An object torch.save cannot pickle: the error comes out, the old file stays, no temporary is left.
     with pytest.raises(Exception):
@@ -662,21 +664,63 @@ def test_a_bare_pickle_is_refused_unread_even_with_weights_only_false(tmp_path):
     assert not marker.exists()
 
 
-def test_a_torch_file_of_other_objects_names_one_and_the_trusted_way(tmp_path):
+def test_a_torch_file_of_other_objects_names_one_and_never_advises_weights_only_false(tmp_path):
     from fractions import Fraction
 
     path = tmp_path / "c.pt"
     torch.save({"ratio": Fraction(1, 3)}, path)
     with pytest.raises(CheckpointError) as info:
         checkpoint.load_checkpoint(path)
-    assert str(info.value) == (f"{path} holds a Python object other than plain data and tensors (fractions.Fraction); "
-                               f"pass weights_only=False only if you trust the file (it can run code)")
+    assert str(info.value) == (f"{path} holds objects that are not allowed (fractions.Fraction): a halfadam checkpoint "
+                               f"holds only tensors and plain data, so it was not loaded; if you saved "
+                               f"fractions.Fraction yourself, allow it: with torch.serialization.safe_globals("
+                               f"[fractions.Fraction]): ...")
     with pytest.raises(CheckpointError, match="is not a halfadam checkpoint"):  # trusted, read: still not one
         checkpoint.load_checkpoint(path, weights_only=False)
     model, _ = make()
     with pytest.raises(CheckpointError) as info:  # no weights_only to pass there
         checkpoint.load_master_state_dict(model, path)
-    assert str(info.value) == f"{path} holds a Python object other than plain data and tensors (fractions.Fraction)"
+    assert str(info.value) == (f"{path} holds objects that are not allowed (fractions.Fraction): a halfadam checkpoint "
+                               f"holds only tensors and plain data, so it was not loaded")
+
+
+@pytest.mark.parametrize("below", ["c.pt", "sub/c.pt"])
+def test_a_checkpoint_path_under_a_file_names_the_checkpoint_path(tmp_path, below):
+    (tmp_path / "afile").write_text("not a directory")
+    path = tmp_path / "afile" / below
+    model, opt = make()
+    with pytest.raises(NotADirectoryError) as info:
+        checkpoint.save_checkpoint(path, model=model, optimizer=opt)
+    assert info.value.filename == str(path)
+    assert info.value.strerror == f"{tmp_path / 'afile'} is a file, not a directory"
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+class _System:
+    """Unpickles as ``os.system(command)``: what a malicious checkpoint holds."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_checkpoint_that_calls_os_system_is_refused_as_not_allowed_and_runs_nothing(tmp_path):
+    path, marker = tmp_path / "c.pt", tmp_path / "ran"
+    model, opt = make()
+    checkpoint.save_checkpoint(path, model=model, optimizer=opt)
+    payload = torch.load(path, weights_only=True)
+    payload["extra"] = _System(f"touch {marker}")
+    torch.save(payload, path)
+    for load in (lambda: checkpoint.load_checkpoint(path, model=model, optimizer=opt),
+                 lambda: checkpoint.load_master_state_dict(model, path)):
+        with pytest.raises(CheckpointError) as info:
+            load()
+        message = str(info.value)
+        assert message.startswith(f"{path} holds objects that are not allowed (posix.system): "), message
+        assert "weights_only=False" not in message and "corrupt" not in message and "allow it" not in message
+    assert not marker.exists()
 
 
 def test_a_torch_file_without_the_checkpoint_format_is_not_a_checkpoint(tmp_path):
@@ -855,3 +899,27 @@ def test_malformed_torch_optimizer_entry_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="'optimizer': a malformed optimizer state_dict"):
         checkpoint.load_checkpoint(path, model=model2, optimizer=opt)
     assert all(torch.equal(p, q) for p, q in zip(before, model2.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
+def test_load_master_state_dict_keeps_what_its_docstring_says(mode, dtype):
+    """fp32: every master bit for bit; split/bf16/compact: bit for bit in the normal range (float16
+    masters below 2**-14 within 2**-41); tiny over bfloat16: within 2**-8 of a bf16 ulp (measured
+    against the ulp of the master's own binade)."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(512, 256).to(dtype)
+    opt = halfadam.AdamW(model.parameters(), state_mode=mode)
+    source = {k: torch.randn(v.shape) * 0.05 for k, v in model.state_dict().items()}
+    checkpoint.load_master_state_dict(model, source, opt)
+    for name, p in model.named_parameters():
+        master, want = opt.master_weight(p), source[name]
+        assert torch.equal(p, want.to(dtype)), name
+        if mode == "tiny" and dtype == torch.bfloat16 and p.dim() == 2:
+            ulp = torch.frexp(want)[1].to(torch.float32).sub(8).exp2()  # a bf16 ulp in |want|'s binade
+            assert ((master - want).abs() <= ulp * 2.0**-8).all()
+            assert (master != want).float().mean() > 0.9  # the claim is not trivial: most do move
+        else:
+            normal = want.abs() >= 2.0**-14
+            assert torch.equal(master[normal], want[normal]) or dtype == torch.bfloat16 and torch.equal(master, want)
+            assert ((master - want).abs() <= 2.0**-41).all()

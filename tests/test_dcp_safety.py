@@ -299,6 +299,19 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, monkey
     assert same(snapshot(model2, opt2), snapshot(old_model, old_opt))
 
 
+def test_a_checkpoint_directory_under_a_file_names_the_checkpoint_path(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    path = tmp_path / "afile" / "ckpt"
+    model, opt = make("compact", seed=5)
+    with pytest.raises(halfadam.CheckpointError) as info:
+        hd.save_checkpoint(path, model, opt)
+    cause = info.value.__cause__
+    assert isinstance(cause, NotADirectoryError) and cause.filename == str(path), repr(cause)
+    assert str(info.value).startswith(f"cannot save the checkpoint {path}: "), str(info.value)
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in str(info.value)
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
 # ------------------------------------------------------------------------------ on 2 ranks
 def _full_disk_worker(rank, world, out):
     """Both ranks save over a checkpoint of theirs while rank 1's disk is full: both get the full-disk

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._tempfiles import _remove_dead_temporaries, _writer_tag
+from ._tempfiles import _make_parents, _remove_dead_temporaries, _writer_tag
 from .state_dict import CheckpointError
 
 __all__ = ["MANIFEST", "ChecksummedWriter", "ChecksummedReader", "SafeLoadPlanner", "sha256_of", "read_manifest",
@@ -183,7 +183,7 @@ def new_sibling(path: Path) -> Path:
                                   f"replaces the whole directory; save the checkpoint elsewhere")
     elif path.exists():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parents(path)
     _remove_dead_temporaries(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=f"{_writer_tag()}.tmp", dir=path.parent))
     umask = os.umask(0)

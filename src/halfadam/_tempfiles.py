@@ -9,6 +9,7 @@ boot, from /proc) and a hash of this boot and pid namespace. Used by
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -60,6 +61,15 @@ def _writer_gone(pid: int, start: str) -> bool:
     except (OSError, OverflowError):
         pass
     return False
+
+
+def _make_parents(path: Path) -> None:
+    """Create the directories above ``path``. An ancestor that is a file raises NotADirectoryError whose
+    ``filename`` is ``path`` (``mkdir`` would name the ancestor, with FileExistsError)."""
+    for ancestor in reversed(path.parents):
+        if ancestor.exists() and not ancestor.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{ancestor} is a file, not a directory", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _remove_dead_temporaries(directory: Path) -> None:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import encodings
-from ._tempfiles import _remove_dead_temporaries, _writer_tag
+from ._tempfiles import _make_parents, _remove_dead_temporaries, _writer_tag
 from ._tempfiles import _TMP_NAME, _process_start, _writer_scope  # noqa: F401  (tests/test_checkpoint.py)
 from .distributed import halfadam_optimizer
 from .state_dict import (CheckpointError, _commit_load, _prepare_load, _where, load_optimizer_state_dict,
@@ -86,8 +86,12 @@ def load_master_state_dict(
 
     Each parameter receives the value rounded to its dtype (round to nearest even; exact for float32
     parameters); with ``optimizer`` (a halfadam one), each parameter that keeps a master weight gets
-    the value itself as its master, so nothing is lost. Moments and steps are left as they are (a
-    fresh optimizer starts from zero). Buffers are copied (cast to their dtype).
+    the value as its master, as exactly as its state mode stores one:
+
+    ``"fp32"`` bit for bit; ``"split"``, ``"bf16"``, ``"compact"``: bit for bit (bf16: one fp32 ulp
+    lower at a block's second tie, :mod:`halfadam.encodings`; fp16: below 2**-14 within 2**-41);
+    ``"tiny"`` over bfloat16: within 2**-8 of a bf16 ulp (the 8-bit remainder; 99.6% of masters move).
+    Moments and steps are left as they are (a fresh optimizer starts from zero). Buffers are copied.
 
     Args:
         model: the model, in any floating dtype.
@@ -179,8 +183,10 @@ def _torch_load(path: Path, *, what: str, weights_only_flag: bool = False, **kwa
       not. Found from the file's first bytes before ``torch.load`` runs (which, with
       ``weights_only=False``, would unpickle a bare pickle's first object);
     * a ``torch.save`` file that ``weights_only=True`` refuses because it holds other Python objects
-      (named from torch's message); with ``weights_only_flag`` (the caller takes ``weights_only``),
-      ``weights_only=False`` is suggested, for a trusted file only;
+      (one named from torch's message). torch's advice to retry with ``weights_only=False`` is never
+      passed on: such a file can run code (``os.system``) when unpickled. With ``weights_only_flag``
+      (the caller saves arbitrary ``extra``) ``torch.serialization.safe_globals`` is named, which
+      admits that one global and never one of the modules torch blocks (``os``, ``subprocess``...);
     * a ``torch.save`` file of a device this machine lacks;
     * otherwise truncated or corrupt.
     """
@@ -195,11 +201,13 @@ def _torch_load(path: Path, *, what: str, weights_only_flag: bool = False, **kwa
 def _torch_load_error(path: Path, exc: Exception, weights_only_flag: bool) -> CheckpointError:
     """The CheckpointError for a ``torch.save`` file that ``torch.load`` failed on (see :func:`_torch_load`)."""
     text = str(exc)
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-    if found:
-        advice = "; pass weights_only=False only if you trust the file (it can run code)" if weights_only_flag else ""
-        return CheckpointError(f"{path} holds a Python object other than plain data and tensors "
-                               f"({found[1]}){advice}")
+    found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL (\S+)( whose module \S+ is blocked)?", text)
+    if found or text.startswith("Weights only load failed"):
+        name = found[1] if found else None
+        allow = (f"; if you saved {name} yourself, allow it: with torch.serialization.safe_globals([{name}]): ..."
+                 if weights_only_flag and name and not found[2] else "")
+        return CheckpointError(f"{path} holds objects that are not allowed{f' ({name})' if name else ''}: a "
+                               f"halfadam checkpoint holds only tensors and plain data, so it was not loaded{allow}")
     if "CUDA" in text or "device" in text:
         hint = "it was saved on a device this machine lacks; pass map_location='cpu'"
     else:
@@ -295,14 +303,14 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
         ValueError: a tensor on the meta device (it has no data to save).
         pickle.PicklingError, AttributeError...: an object that ``torch.save`` cannot pickle (the old
             file stays; the temporary file is removed).
-        OSError: the file cannot be written (disk full, file size limit, permissions...): its
-            ``filename`` is ``path`` and its ``strerror`` the cause. The old file stays; the temporary
-            file is removed.
+        OSError: the file cannot be written (disk full, file size limit, permissions, a parent that
+            is a file: NotADirectoryError...): its ``filename`` is ``path`` and its ``strerror`` the
+            cause. The old file stays; the temporary file is removed.
     """
     if not objects:
         raise TypeError("save_checkpoint needs at least one object to save")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parents(path)
     states = {name: _state_of(obj) for name, obj in objects.items()}
     payload = {"format": _FORMAT, "version": _FORMAT_VERSION, "sha256": _digest(states), "objects": states}
     _remove_dead_temporaries(path.parent)
@@ -478,8 +486,9 @@ def load_checkpoint(
     Args:
         path: the file.
         map_location: as ``torch.load``'s (``"cpu"``: a checkpoint written on CUDA loads anywhere).
-        weights_only: as ``torch.load``'s; ``True`` (default) reads plain data and tensors only. Pass
-            ``False`` only for a trusted file holding other Python objects (loading it can run code).
+        weights_only: as ``torch.load``'s; ``True`` (default) reads plain data and tensors only. For
+            other objects you saved, prefer ``torch.serialization.safe_globals([cls])`` around the
+            call; pass ``False`` only for a trusted file (loading it can run code).
         **objects: name -> object with ``load_state_dict`` (the names used with save_checkpoint).
 
     Returns:
