@@ -923,3 +923,59 @@ def test_load_master_state_dict_keeps_what_its_docstring_says(mode, dtype):
             normal = want.abs() >= 2.0**-14
             assert torch.equal(master[normal], want[normal]) or dtype == torch.bfloat16 and torch.equal(master, want)
             assert ((master - want).abs() <= 2.0**-41).all()
+
+
+# ------------------------------------------------------------------ reordered parameters (by name)
+def _named(order, seed=0, mode="compact"):
+    torch.manual_seed(seed)
+    params = {"a": torch.nn.Parameter(torch.randn(8, 128).to(torch.bfloat16)),
+              "b": torch.nn.Parameter(torch.randn(8, 128).to(torch.bfloat16))}
+    return params, halfadam.AdamW([(name, params[name]) for name in order], lr=1e-2, state_mode=mode)
+
+
+def _step_named(params, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    for name in sorted(params):
+        params[name].grad = torch.randn(params[name].shape, generator=g).to(torch.bfloat16)
+    opt.step()
+
+
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_a_reordered_model_loads_each_parameter_its_own_state_by_name(mode):
+    params, opt = _named("ab", mode=mode)
+    for k in range(3):
+        _step_named(params, opt, k)
+    saved = opt.state_dict()
+    params2, opt2 = _named("ba", seed=9, mode=mode)
+    for name in params:
+        params2[name].data.copy_(params[name])  # the model first
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["param_names"] == ["b", "a"]  # its own labels, not the checkpoint's
+    for name in params:
+        assert torch.equal(opt2.master_weight(params2[name]), opt.master_weight(params[name])), name
+        for key in opt.state[params[name]]:
+            assert torch.equal(opt2.state[params2[name]][key], opt.state[params[name]][key]), (name, key)
+    _step_named(params, opt, 3)  # both go on: the same weights
+    _step_named(params2, opt2, 3)
+    for name in params:
+        assert torch.equal(params2[name], params[name]), name
+
+
+def test_parameter_names_that_differ_are_refused_naming_both_and_nothing_changes():
+    params, opt = _named("ab")
+    _step_named(params, opt, 0)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["param_names"] = ["a", "c"]
+    params2, opt2 = _named("ba", seed=9)
+    _step_named(params2, opt2, 0)
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(CheckpointError) as info:
+        opt2.load_state_dict(saved)
+    assert str(info.value) == ("param_groups[0]: the checkpoint's parameters are not this optimizer's: ['b'] only "
+                               "here, ['c'] only in the checkpoint")
+    after = opt2.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value) if isinstance(value, torch.Tensor) else \
+                after["state"][pid][key] == value

@@ -49,7 +49,7 @@ import numbers
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -304,7 +304,10 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
     new = {k: v for k, v in current.items() if k != "params"}
     # master_weights is structure (which parameters own an fp32 copy, how state is laid out), not a
     # hyperparameter: the loading optimizer's setting stays, and the state must fit it.
-    saved = {k: v for k, v in saved.items() if k not in ("params", "master_weights")}
+    # the group's own param_names stay (the state was matched to them by name, _by_name); a group
+    # without names takes the checkpoint's, as torch does
+    kept = ("params", "master_weights") + (("param_names",) if "param_names" in current else ())
+    saved = {k: v for k, v in saved.items() if k not in kept}
     if kind == "torch":
         if saved.get("amsgrad"):
             raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam "
@@ -401,8 +404,8 @@ def _check_structure(state_dict: Any, groups: List[Dict[str, Any]]) -> Tuple[lis
 
 def _slots(groups: List[Dict[str, Any]], saved_groups: list,
            saved_state: Mapping) -> Dict[Any, Tuple[Tensor, int, int, int]]:
-    """Saved index -> ``(parameter, group index, index in the group, index overall)``, by position (as
-    torch does); CheckpointError where the groups' sizes differ, an index repeats or has no group."""
+    """Saved index -> ``(parameter, group index, index in the group, index overall)``, by name or by
+    position (:func:`_by_name`); CheckpointError where the groups' sizes differ, an index repeats or has no group."""
     slots: Dict[Any, Tuple[Tensor, int, int, int]] = {}
     index = 0
     for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
@@ -414,7 +417,7 @@ def _slots(groups: List[Dict[str, Any]], saved_groups: list,
                 f"param_groups[{gi}] has {len(ids)} parameter(s) in the checkpoint, {len(group['params'])} in "
                 f"this optimizer"
             )
-        for j, (pid, p) in enumerate(zip(ids, group["params"])):
+        for j, (pid, p) in enumerate(zip(_by_name(ids, group, saved, gi), group["params"])):
             if pid in slots:
                 raise CheckpointError(f"param_groups[{gi}]['params'][{j}]: index {pid!r} appears twice in the "
                                       f"checkpoint")
@@ -424,6 +427,25 @@ def _slots(groups: List[Dict[str, Any]], saved_groups: list,
     if stray:
         raise CheckpointError(f"the checkpoint has state for parameter index(es) {stray[:5]} that are in no group")
     return slots
+
+
+def _by_name(ids: Sequence[Any], group: Mapping[str, Any], saved: Mapping[str, Any], gi: int) -> List[Any]:
+    """The saved indices in the order of ``group["params"]``: matched by name where the group and the
+    checkpoint both have ``param_names`` (a reordered model loads each parameter's own state), else by
+    position (as torch). CheckpointError naming both sides where the names differ."""
+    names, saved_names = group.get("param_names"), saved.get("param_names")
+    if not isinstance(names, (list, tuple)) or not isinstance(saved_names, (list, tuple)):
+        return list(ids)
+    if len(saved_names) != len(ids) or len(set(saved_names)) != len(saved_names):
+        raise CheckpointError(f"param_groups[{gi}]['param_names'] in the checkpoint must name each of its "
+                              f"{len(ids)} parameter(s) once, got {list(saved_names)[:10]}")
+    if sorted(map(str, names)) != sorted(map(str, saved_names)):
+        missing = [n for n in names if n not in saved_names]
+        unexpected = [n for n in saved_names if n not in names]
+        raise CheckpointError(f"param_groups[{gi}]: the checkpoint's parameters are not this optimizer's: "
+                              f"{missing[:10]} only here, {unexpected[:10]} only in the checkpoint")
+    position = {name: k for k, name in enumerate(saved_names)}
+    return [ids[position[name]] for name in names]
 
 
 def _decay_warnings(kind: str, groups: List[Dict[str, Any]], saved_groups: list, new_groups: list) -> List[str]:
@@ -626,6 +648,9 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
     parameters (a ``UserWarning`` says so: load the model first).
 
     Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
+    Where a group and its saved group both have ``param_names`` (an optimizer built over
+    ``model.named_parameters()``), each parameter loads the state saved under its name (a reordered
+    model is right) and keeps its name; otherwise by position, as torch.
 
     Raises:
         CheckpointError (a ValueError), before anything changes: a different number of groups or of
@@ -633,7 +658,8 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
             parameter's; a state tensor that is not in the optimizer's state dtype (halfadam
             checkpoints) or would lose precision converted to it (torch ones); a master weight for a
             parameter this optimizer keeps none for; an invalid hyperparameter, step or schedule;
-            amsgrad or maximize in a torch checkpoint.
+            amsgrad or maximize in a torch checkpoint; ``param_names`` on both sides that differ (the
+            message names what only one side has).
     """
     state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
     for hook in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
