@@ -979,3 +979,33 @@ def test_parameter_names_that_differ_are_refused_naming_both_and_nothing_changes
         for key, value in state.items():
             assert torch.equal(after["state"][pid][key], value) if isinstance(value, torch.Tensor) else \
                 after["state"][pid][key] == value
+
+
+# ------------------------------------------------------------------ optimizer loaded before the model
+@pytest.mark.parametrize("source", ["split", "compact", "tiny"])
+@pytest.mark.parametrize("target", ["fp32", "compact"])
+def test_the_order_of_the_model_and_optimizer_loads_does_not_matter(source, target):
+    """A checkpoint whose masters are remainders over the parameters, loaded into another state mode
+    before the model's weights: the masters are decoded at the next use, against the loaded weights,
+    so they are the saved ones (the bits the bf16 weights lack kept) and the next step is the same as
+    with the model loaded first."""
+    model, opt = make(torch.bfloat16, state_mode=source)
+    train(model, opt, 5)
+    saved, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+    masters = [opt.master_weight(p).clone() for p in model.parameters()]
+    runs = []
+    for optimizer_first in (False, True):
+        model2, opt2 = make(torch.bfloat16, seed=7, state_mode=target)
+        if optimizer_first:
+            opt2.load_state_dict(saved)
+            model2.load_state_dict(weights)
+        else:
+            model2.load_state_dict(weights)
+            opt2.load_state_dict(saved)
+        for p, master in zip(model2.parameters(), masters):
+            assert torch.equal(opt2.master_weight(p), master)
+        train(model2, opt2, 1, start=5)
+        runs.append([p.detach().clone() for p in model2.parameters()])
+    assert sum(int((m != m.to(torch.bfloat16).float()).sum()) for m in masters) > 10  # the bits at stake
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
