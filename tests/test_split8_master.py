@@ -3,6 +3,9 @@ master's float32 pattern being ``bits(param) + 256 c`` (:mod:`halfadam.encodings
 rounded stochastically in the step. Checked against hand-derived bit patterns and against fp32
 training (torch.optim.AdamW on float32 weights from the same start)."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -169,6 +172,25 @@ def test_decay_below_half_an_ulp_with_zero_gradients():
     assert ((master - ref).abs() / ulp).max().item() < 0.5
     assert (p.detach() == ref.to(torch.bfloat16)).float().mean().item() > 0.9
 
+
+
+def test_the_drift_benchmark_at_toy_size(capsys):
+    """benchmarks/tiny_decay_drift.py (docs/state-modes.md's drift table) on the decay test's 2,048
+    weights: the same walk (0.054 ulp at 1,000 steps), its checkpoints and its sqrt(steps) fit."""
+    spec = importlib.util.spec_from_file_location(
+        "tiny_decay_drift", Path(__file__).resolve().parents[1] / "benchmarks" / "tiny_decay_drift.py")
+    drift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drift)
+    assert drift.checkpoints(30000) == [1000, 3000, 10000, 30000] and drift.checkpoints(2500) == [1000, 2500]
+    threads = torch.get_num_threads()
+    try:
+        assert drift.main(["--steps", "1000", "--numel", "2048", "--implementation", "reference"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.lstrip().startswith("1,000"))
+    assert 0.03 < float(row[1]) < 0.08 and float(row[2]) < 0.5 and float(row[4].rstrip("%")) < 10, out
+    assert "fit: std = 0.00" in out, out
 
 def test_a_write_to_the_parameter_is_the_next_steps_start():
     """After steps, the parameter is written (a new value, zeros, a nan): the decoded master is the
