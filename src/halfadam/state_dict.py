@@ -611,7 +611,7 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         if optimizer._states.stale_shape(p) is not None:  # type: ignore[attr-defined]
             optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
         target = optimizer._states.format(p, group)  # type: ignore[attr-defined]
-        if p.dtype != torch.float64 and encodings.has_remainder(load.values) and load.format != target:
+        if p.dtype != torch.float64 and encodings.has_remainder(load.values) and target.master == "fp32":
             deferred.append(load)
             continue
         state = optimizer._states.init(p, group)  # the optimizer's own tensors (views into flat buffers)
@@ -633,17 +633,22 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
             state["step"].fill_(load.step)
         else:
             state["step"] = torch.tensor(load.step, dtype=torch.float32)
-    # A split master is a remainder over the parameter's value: decoded now, over a model whose weights
-    # are loaded after the optimizer, it would be lost. Such a state keeps the checkpoint's encoding
-    # until the optimizer's next use of the parameter converts it against the value of that moment
-    # (ParamStates.conform: a step, master_weight, state_dict, sync_master_weights), so the order of
-    # the two loads does not matter.
+    # A split master is a remainder over the parameter's value: decoded now into an fp32 master, over a
+    # model whose weights are loaded after the optimizer, it would be lost. The moments are decoded now;
+    # the remainder stays (a split-mode state) until the optimizer's next use of the parameter converts
+    # it against the value of that moment (ParamStates.conform: a step, master_weight, state_dict,
+    # sync_master_weights), so the order of the two loads does not matter.
     for load in deferred:
-        state = optimizer.state[load.param]
+        p = load.param
+        lp = local(p)
+        values = {k: local(v).to(lp.device) for k, v in load.values.items()}
+        moments = encodings.decode_state(load.format, lp, values, ("exp_avg", "exp_avg_sq"))
+        kept = {k: v.clone() for k, v in values.items() if k.startswith("master_")}
+        state = optimizer.state[p]
         state.clear()
-        state.update({k: v.detach().to(device=load.param.device, copy=True) for k, v in load.values.items()})
+        state.update(encodings.like_param_state({**kept, **moments}, p))
         state["step"] = torch.tensor(load.step, dtype=torch.float32)
-        optimizer._states.dtypes[id(load.param)] = load.param.dtype  # type: ignore[attr-defined]
+        optimizer._states.dtypes[id(p)] = p.dtype  # type: ignore[attr-defined]
         optimizer._states.layouts.pop(id(optimizer.param_groups[load.group_index]), None)  # type: ignore[attr-defined]
     for message in plan.warnings:
         warnings.warn(message, UserWarning, stacklevel=4)
@@ -665,9 +670,9 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
     parameters (a ``UserWarning`` says so: load the model first).
 
     Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
-    A split or split8 master loaded into another state mode keeps the checkpoint's encoding until the
-    optimizer's next use of the parameter, which decodes it against the parameter's value then, so
-    the model's weights may be loaded before or after the optimizer's state.
+    A split or split8 master loaded into an fp32-master mode stays a remainder (its moments are
+    decoded) until the optimizer's next use of the parameter decodes it against the parameter's value
+    then, so the model's weights may be loaded before or after the optimizer's state.
     Where a group and its saved group both have ``param_names`` (an optimizer built over
     ``model.named_parameters()``), each parameter loads the state saved under its name (a reordered
     model is right) and keeps its name; otherwise by position, as torch.
