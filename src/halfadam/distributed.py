@@ -286,7 +286,10 @@ def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -
     under ``key``, in place, so that ``load_state_dict`` judges them as it does in one process: a field
     the checkpoint lacks (a master saved without master weights, a parameter that never stepped) is
     dropped, and one the layout lacks (a master, for an optimizer without master weights) gets a
-    tensor of its saved size and dtype (whole, on the CPU) to be read into."""
+    tensor of its saved size and dtype (whole, on the CPU) to be read into. A field saved as a tensor
+    where the layout has an object, or the other way round (``step``: a tensor in checkpoints of
+    8-bit codes written before their label, :data:`halfadam.encodings.CODES_LABEL`), takes the
+    checkpoint's kind."""
     saved: Dict[str, Dict[str, Any]] = {}
     prefix = f"{key}.state."
     for name, meta in saved_keys.items():
@@ -301,9 +304,12 @@ def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -
         st = state[fqn]
         for field in [f for f in st if f not in fields]:
             del st[field]
-        for field, meta in fields.items():
-            if field not in st and hasattr(meta, "size"):
-                st[field] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for field, meta in fields.items():  # a field's kind may differ from the layout's: the checkpoint's is read
+            if hasattr(meta, "size"):
+                if not isinstance(st.get(field), Tensor):  # e.g. 'step' saved as a tensor before labels
+                    st[field] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            elif field not in st or isinstance(st[field], Tensor):  # e.g. 'step' saved as a label (bytes)
+                st[field] = b""  # any object: dcp.load puts the saved one in its place
 
 
 def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, staging: bool = False) -> Any:

@@ -927,3 +927,68 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
         stored, flat_param, layout = _flat_copies(format_of(state), param, state)
         _encode_master_(stored, flat_param, _pad(master, layout, param, torch.float32))
         _write_back(state, stored, None, flat_param, layout)
+
+
+# ---------------------------------------------------------------------------------- state_dict labels
+#: The ``step`` of a state_dict entry whose moments are 8-bit codes (uint8), in place of the step
+#: count (kept under :data:`LABELLED_STEP`). torch.optim reads ``step`` as a number: its
+#: ``Adam``/``AdamW.load_state_dict`` raises ``ValueError: could not convert string to float:
+#: b'halfadam 8-bit codes v1: ...'`` instead of taking the codes for moments (and stepping with them).
+CODES_LABEL = (b"halfadam 8-bit codes v1: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
+               b"or convert with to_torch_state_dict()")
+#: The key of a labelled entry's step count (the 0-d float32 tensor that ``step`` holds elsewhere).
+LABELLED_STEP = "halfadam_step"
+
+
+def has_codes(state: Dict) -> bool:
+    """Whether a parameter's state (or state_dict entry) stores a moment as 8-bit codes (uint8)."""
+    return any(isinstance(state.get(k), Tensor) and state[k].dtype == torch.uint8 for k in ("exp_avg", "exp_avg_sq"))
+
+
+def is_labelled(entry: Dict) -> bool:
+    """Whether a state_dict entry (or a state a ``ZeroRedundancyOptimizer`` loaded as it was) holds a
+    label in ``step``, or a :data:`LABELLED_STEP`."""
+    return LABELLED_STEP in entry or isinstance(entry.get("step"), (bytes, str))
+
+
+def labelled(entry: Dict) -> Dict:
+    """A state_dict entry as saved: where its moments are codes (:func:`has_codes`), a new dict whose
+    ``step`` is :data:`CODES_LABEL` and whose :data:`LABELLED_STEP` is the step count; else ``entry``
+    itself (one labelled already too)."""
+    if "step" not in entry or not has_codes(entry) or is_labelled(entry):
+        return entry
+    return {**entry, "step": CODES_LABEL, LABELLED_STEP: entry["step"]}
+
+
+def unlabelled(entry: Dict, where: str) -> Dict:
+    """A state_dict entry with its step count back in ``step``: a new dict where it was labelled
+    (:func:`labelled`), else ``entry`` itself (an entry saved before labels: loaded as it is).
+
+    Raises:
+        ValueError, naming ``where``: another label (a newer halfadam's format, or not halfadam's), a
+            label without its step count or over moments that are not codes, a step count without a label.
+    """
+    if not is_labelled(entry):
+        return entry
+    step = entry.get("step")
+    if step != CODES_LABEL:
+        if isinstance(step, (bytes, str)):
+            raise ValueError(f"{where}: its state is labelled {step!r}, which this version of halfadam does not "
+                             f"read (it reads {CODES_LABEL[:24]!r}...); a newer halfadam wrote it? Load it with that one")
+        raise ValueError(f"{where}: its state has a '{LABELLED_STEP}' but no label in 'step' (got {step!r})")
+    if LABELLED_STEP not in entry:
+        raise ValueError(f"{where}: its state is labelled as 8-bit codes but has no '{LABELLED_STEP}' (its step count)")
+    if not has_codes(entry):
+        raise ValueError(f"{where}: its state is labelled as 8-bit codes, but neither exp_avg nor exp_avg_sq is uint8")
+    out = {k: v for k, v in entry.items() if k != LABELLED_STEP}
+    out["step"] = entry[LABELLED_STEP]
+    return out
+
+
+def unlabel_(state: Dict, where: str) -> None:
+    """:func:`unlabelled`, in place: for a labelled state_dict entry put into an optimizer's state as
+    it is (``torch.distributed.optim.ZeroRedundancyOptimizer.load_state_dict`` does)."""
+    new = unlabelled(state, where)
+    if new is not state:
+        state.clear()
+        state.update(new)

@@ -228,6 +228,7 @@ class _AdamBase(torch.optim.Optimizer):
         """The state in torch's layout, fp32 state as fp32, schedules as plain data.
 
         See :func:`halfadam.state_dict.optimizer_state_dict`; ``torch.load(weights_only=True)`` reads it.
+        8-bit codes (compact, tiny) have a label in ``step``, which torch's ``load_state_dict`` refuses.
         """
         return _state_dict.optimizer_state_dict(self)
 
@@ -235,8 +236,9 @@ class _AdamBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a halfadam or torch.optim.Adam/AdamW state_dict: checked first, never changes a state dtype.
 
-        See :func:`halfadam.state_dict.load_optimizer_state_dict`. Raises
-        :class:`halfadam.checkpoint.CheckpointError` (a ValueError) with nothing changed on a mismatch.
+        See :func:`halfadam.state_dict.load_optimizer_state_dict` (labelled 8-bit codes load, and older
+        unlabelled ones). Raises :class:`halfadam.checkpoint.CheckpointError` (a ValueError) with
+        nothing changed on a mismatch or a ``step`` label this version does not read.
         """
         _state_dict.load_optimizer_state_dict(self, state_dict)
 

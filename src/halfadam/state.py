@@ -69,9 +69,23 @@ class ParamStates:
         ea = state.get("exp_avg")
         if ea is None or ea.device != param.device or self.dtypes.get(id(param), param.dtype) != param.dtype:
             return False
+        if encodings.LABELLED_STEP in state:  # a labelled state_dict entry, as it was loaded (unlabel)
+            return False
         expected = self.element_dtypes(param, group)
         present = [k for k in encodings.ELEMENT_KEYS if k in state]
         return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
+
+    def unlabel(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
+        """Put the step count of a labelled state_dict entry that was put into ``state`` as it is
+        (``ZeroRedundancyOptimizer.load_state_dict`` does) back in ``step`` (:func:`encodings.unlabel_`).
+
+        Raises:
+            ValueError: a label this version does not read (named by the parameter's place).
+        """
+        if state and encodings.is_labelled(state):
+            gi = next((i for i, g in enumerate(self.owner.param_groups) if g is group), "?")
+            k = next((i for i, q in enumerate(group["params"]) if q is param), "?")
+            encodings.unlabel_(state, f"param_groups[{gi}]['params'][{k}]")
 
     def element_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
         """The per-element state keys ``param`` has in this optimizer, and their dtypes."""
@@ -211,6 +225,7 @@ class ParamStates:
         layout = self.group_layout(group) if self.owner.implementation != "reference" else None
         for param in group["params"] if params is None else params:
             state = self.state[param]
+            self.unlabel(param, state, group)
             if state and not self.fits(param, state, group):
                 self.conform(param, state, group)
             loc = None if layout is None else layout.where.get(id(param))
@@ -258,6 +273,7 @@ class ParamStates:
             state = self.state.get(p)
             if not state or self.stale_shape(p) is not None:  # none, or made for an old shape: its next use raises
                 continue
+            self.unlabel(p, state, group)
             if not self.fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
             loc = layout.where.get(id(p))

@@ -10,6 +10,7 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master,
                        #   with "remainder_dtype": the parameter dtype its remainders are over),
                        # bfloat16 moments, or uint8 moments + "exp_avg_scale"/"exp_avg_sq_scale"
+                       #   (with "step": encodings.CODES_LABEL, the count under "halfadam_step")
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
 
@@ -217,8 +218,12 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
 
     Per parameter: ``step`` (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (float32; float64 for
     float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
-    never took a step have no entry. Per group: every hyperparameter, ``global_step`` (int) and the
-    schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
+    never took a step have no entry. Where the moments are 8-bit codes (uint8: state modes
+    ``compact``, ``tiny``), ``step`` is the label :data:`halfadam.encodings.CODES_LABEL` (bytes) and the
+    count is under ``halfadam_step``: ``torch.optim.Adam``/``AdamW.load_state_dict`` of it raises
+    ``ValueError: could not convert string to float: b'halfadam 8-bit codes v1: ...'`` instead of
+    stepping with the codes as moments (:func:`to_torch_state_dict` gives torch's). Per group: every
+    hyperparameter, ``global_step`` (int) and the schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
     (or ``torch.save``) before the next step if you keep the dict. Masters are synced with their
     parameters first (:meth:`halfadam.AdamW.sync_master_weights`). Keys that
     ``register_state_dict_post_hook`` hooks add, or the dict such a hook returns, are kept.
@@ -233,8 +238,13 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         for group, saved in zip(optimizer.param_groups, packed["param_groups"]):
             for p, pid in zip(group["params"], saved.get("params", ())):
                 st = state.get(pid) if isinstance(state, dict) else None
-                if isinstance(st, Mapping) and encodings.has_remainder(st):  # a new dict: the live state stays as it is
-                    state[pid] = {**st, REMAINDER_DTYPE: _dtype_name(p.dtype)}
+                if not isinstance(st, Mapping):
+                    continue
+                new = encodings.labelled(st)  # a new dict where it changes: the live state stays as it is
+                if encodings.has_remainder(st):
+                    new = {**new, REMAINDER_DTYPE: _dtype_name(p.dtype)}
+                if new is not st:
+                    state[pid] = new
     return packed
 
 
@@ -481,7 +491,10 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
     use_master = optimizer._states.use_master(p, group)  # type: ignore[attr-defined]
-    saved = dict(saved)
+    try:
+        saved = dict(encodings.unlabelled(saved, where))  # 8-bit codes: the step count from under their label
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
     allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
                if kind == "halfadam"
@@ -676,6 +689,8 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
     Where a group and its saved group both have ``param_names`` (an optimizer built over
     ``model.named_parameters()``), each parameter loads the state saved under its name (a reordered
     model is right) and keeps its name; otherwise by position, as torch.
+    A labelled entry of 8-bit codes (:func:`optimizer_state_dict`) takes its step count from
+    ``halfadam_step``; one saved before labels (``step`` a tensor) loads as it is.
 
     Raises:
         CheckpointError (a ValueError), before anything changes: a different number of groups or of
@@ -684,7 +699,9 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
             checkpoints) or would lose precision converted to it (torch ones); a master weight for a
             parameter this optimizer keeps none for; an invalid hyperparameter, step or schedule;
             amsgrad or maximize in a torch checkpoint; ``param_names`` on both sides that differ (the
-            message names what only one side has).
+            message names what only one side has); a ``step`` label this version does not read (a
+            newer halfadam's, or not halfadam's), a label over moments that are not uint8, or a
+            ``halfadam_step`` without a label.
     """
     state_dict = dict(state_dict) if isinstance(state_dict, Mapping) else state_dict
     for hook in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
@@ -700,8 +717,9 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
 def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's state as a ``torch.optim.AdamW`` (or ``Adam``) state_dict, to continue in torch.
 
-    Per parameter: ``step`` and float32 copies of ``exp_avg`` and ``exp_avg_sq`` (decoded from
-    bfloat16 or 8-bit state modes); master weights are
+    Per parameter: ``step`` (a 0-d float32 tensor: never the label of :func:`optimizer_state_dict`)
+    and float32 copies of ``exp_avg`` and ``exp_avg_sq`` (decoded from bfloat16 or 8-bit state
+    modes); master weights are
     dropped (torch updates the parameters themselves; ``torch.optim.Optimizer.load_state_dict`` casts
     the moments to the parameter's dtype). Per group: the learning rate and weight decay of the *next*
     step (a schedule evaluated at ``global_step``; attach a torch lr_scheduler to go on scheduling),
@@ -744,6 +762,7 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     state = {}
     params = [p for g in optimizer.param_groups for p in g["params"]]  # torch's indices: this order
     for pid, st in packed["state"].items():
+        st = encodings.unlabelled(st, f"parameter {pid}")  # a state ZeroRedundancyOptimizer loaded, labelled
         step = st["step"]
         moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
         if st["exp_avg"].dtype not in (torch.float32, torch.float64) or st["exp_avg_sq"].dtype != st["exp_avg"].dtype:
