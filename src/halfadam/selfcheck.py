@@ -115,7 +115,7 @@ def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
     kernel itself (it does not compile here, say) propagates and records nothing.
     """
     global _checking
-    if _checking or not enabled():
+    if _checking or not enabled() or _capturing(config):
         return True
     verdict = _verdicts.get(config)
     if verdict is None:
@@ -133,6 +133,12 @@ def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
                 f"this process (the same results, slower). Please report it to halfadam with the output of "
                 f"`halfadam doctor`; set {ENV}=0 to skip the check.", RuntimeWarning, stacklevel=3)
     return verdict.agrees
+
+
+def _capturing(config: Config) -> bool:
+    """Whether a CUDA graph is being captured on ``config``'s device (a check reads the host: it runs in
+    the warm-up step before, where a configuration first steps)."""
+    return config.device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
 
 
 @torch.no_grad()
