@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: the CUDA tests, then the GPU bench, in under 7 minutes on one GPU.
+# The prepared GPU check: `halfadam doctor`, the CUDA tests, then the GPU bench, in under 8 minutes on one GPU.
 #   pip install -e ".[test]"        # pytest; torch with CUDA and the triton package must be installed
 #   bash benchmarks/gpu_check.sh    # from anywhere; it runs in the repository root
 # Prints the GPU, the test summary (every failure listed, not only the first) and the
@@ -13,6 +13,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# first: versions, devices, and every kernel against the reference bit for bit (halfadam.selfcheck)
+timeout 120 python -m halfadam doctor
+doctor=$?
 # the Triton kernel against the reference on CUDA tensors, the CUDA tests of the other paths
 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_executions.py -k "triton or cuda" \
   > /tmp/halfadam_gpu_tests.log 2>&1
@@ -26,5 +29,5 @@ bench=$?
 timeout 100 python -m halfadam bench --device cuda --sizes 1e6 --no-small --gpt --dtypes bf16 --impls triton \
   --state-modes fp32,compact --warmup 2 --repeat 5
 gpt=$?
-echo "gpu_check: tests exit $tests (log /tmp/halfadam_gpu_tests.log), bench exit $bench, gpt bench exit $gpt"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$gpt" -eq 0 ]
+echo "gpu_check: doctor exit $doctor, tests exit $tests (log /tmp/halfadam_gpu_tests.log), bench exit $bench, gpt bench exit $gpt"
+[ "$doctor" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$gpt" -eq 0 ]

@@ -766,7 +766,9 @@ def test_capturable_is_the_ordinary_step_bit_for_bit(mode):
 def test_capturable_with_the_scaler_never_reads_found_inf_on_the_host(monkeypatch):
     """halfadam.GradScaler hands a capturable optimizer its found_inf as a device tensor: no .item() or
     bool() of a tensor inside scaler.step (the overflowing step is skipped by the kernel), and the run
-    equals the same run with capturable=False."""
+    equals the same run with capturable=False. (The kernel's self-check reads the host once, in a
+    configuration's first step, which a CUDA graph's warm-up takes: tests/test_selfcheck.py.)"""
+    monkeypatch.setenv("HALFADAM_SELFCHECK", "0")
     ref = _capturable_run(False, "compact", scaler=True)
     reads = []
     real_step = halfadam.GradScaler.step
@@ -872,3 +874,23 @@ def test_auto_falls_back_to_fused_when_the_first_launch_fails(monkeypatch):
         got = _train("auto", torch.bfloat16, kw=kw, steps=2, strided=False)
     assert executions._triton_failed.startswith("RuntimeError: PTX compile error")
     assert_same_runs(_train("reference", torch.bfloat16, kw=kw, steps=2, strided=False), got, "fallback")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_bfloat16_subnormals_load_exactly(mode):
+    """The interpreter's bfloat16 -> float32 conversion loses subnormals (2.9e-39 -> 0; found by
+    halfadam.selfcheck): parameters, gradients and bfloat16 moments are loaded through their bits."""
+    runs = []
+    for impl in ("triton", "foreach"):
+        p = torch.zeros(2, 128)
+        p[1, :4] = torch.tensor([1e-39, -2e-39, 1e-40, 1.0])
+        p = p.to(torch.bfloat16).requires_grad_()
+        g = torch.zeros(2, 128)
+        g[0, 1:4] = torch.tensor([2.9387e-39, 1e-38, 1e-30])
+        p.grad = g.to(torch.bfloat16)
+        opt = halfadam.AdamW([p], lr=1e-3, weight_decay=0.1, state_mode=mode, implementation=impl)
+        opt.step()
+        opt.step()
+        runs.append(([p], opt))
+    assert runs[0][1].state[runs[0][0][0]]["exp_avg"][0, 1] != 0  # the subnormal gradient reached exp_avg
+    assert_same_runs(runs[0], runs[1], mode)

@@ -26,7 +26,7 @@ LAYERS = [
     ["encodings", "kernels.triton", "kernels"],
     ["buckets"],
     ["param_groups", "state"],
-    ["executions"],
+    ["executions", "selfcheck"],
     ["state_dict", "_dcp_io"],
     ["optimizer"],
     ["distributed"],
@@ -34,7 +34,7 @@ LAYERS = [
     ["scaler"],
     ["checkpoint"],
     ["__init__"],
-    ["cli", "bench", "__main__"],
+    ["cli", "bench", "doctor", "__main__"],
 ]
 
 

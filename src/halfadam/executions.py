@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ._dtensor import is_dtensor
 from .buckets import Bucket, bucket_key
-from . import encodings
+from . import encodings, selfcheck
 from .kernels import cpp as cpu_kernel
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
 from .functional import adam_coefficients, adam_update_, sync_master_
@@ -251,6 +251,10 @@ def capturable_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperpa
         RuntimeError: the Triton kernel cannot run this bucket (``capturable=True`` runs only it).
     """
     _uses_triton(bucket, "triton")  # raises where it cannot run (the optimizer allows only auto and triton)
+    if not _agrees("triton", "capturable", bucket.format, bucket.has_master, bucket.dtype,
+                   _launch_grad_dtype([g for _, g in items], bucket.dtype), hp, grad_scale, bucket.device):
+        raise RuntimeError("capturable=True runs only the Triton kernel, and it failed its self-check on this "
+                           "configuration (see the warning above); use capturable=False")
     index = _cached(bucket, "index", tuple(i for i, _ in items),
                     lambda key: torch.tensor(key, dtype=torch.int64, device=bucket.device))
     steps = bucket.steps[index] + 1  # the steps being taken
@@ -275,16 +279,21 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     device = bucket.device
     subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
     step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
+    grad_dtype = items[0][1].dtype
     if _uses_triton(bucket, implementation):
         if _guarded_triton_step(implementation, bucket, items, hp, grad_scale,
                                 _triton().scalars(hp.coefficients(int(step)), int(step), device)):
             bucket.advance_steps(subset)
             return
+        if _triton_failed is None:  # it failed its self-check
+            implementation = "foreach"
     kernel = _cpp_kernel(bucket.device, bucket.format, implementation)
     if kernel is not None:
-        _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
-        bucket.advance_steps(subset)
-        return
+        if _agrees("cpp", "bucket", bucket.format, bucket.has_master, bucket.dtype, grad_dtype, hp, grad_scale, device):
+            _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
+            bucket.advance_steps(subset)
+            return
+        implementation = "foreach"
     f64 = dict(dtype=torch.float64, device=device)
     coefficients = adam_coefficients(
         step=step.to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
@@ -336,11 +345,16 @@ _triton_failed: Optional[str] = None  # why auto stopped running it (its first l
 
 
 def _guarded_triton_step(implementation: str, *args) -> bool:
-    """:func:`_triton_step`; under ``"auto"``, a failure of the process's first launch (the kernel does not
+    """:func:`_triton_step` once its configuration passed its self-check (``False`` where it failed it);
+    under ``"auto"``, a failure of the process's first launch (the kernel does not
     compile for this GPU, say) is a one-time RuntimeWarning and ``False``: auto then runs ``fused`` for
     the rest of the process. A failure after a launch has succeeded, or with ``"triton"``, raises."""
     global _triton_launched, _triton_failed
+    bucket, items, hp, grad_scale = args[:4]
     try:
+        if not _agrees("triton", "bucket", bucket.format, bucket.has_master, bucket.dtype,
+                       _launch_grad_dtype([g for _, g in items], bucket.dtype), hp, grad_scale, bucket.device):
+            return False
         _triton_step(*args)
     except Exception as exc:
         if implementation != "auto" or _triton_launched:
@@ -402,7 +416,10 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
             and p.is_contiguous() and all(st[key].is_contiguous() for key in keys)
         step = int(st["step"].item()) + 1  # the step being taken
         kernel = _cpp_kernel(p.device, pfmt, implementation) if fits else None
-        if kernel is not None:
+        if kernel is not None and not _agrees("cpp", "shard", pfmt, with_master, p.dtype, g.dtype, hp, grad_scale,
+                                              p.device):
+            left.append(k)
+        elif kernel is not None:
             if step not in coefficients:
                 coefficients[step] = hp.coefficients(step)
             _cpp_call(kernel, [p], [g], {key: st[key].view(-1) for key in keys}, [0], [0],
@@ -418,6 +435,9 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         triton_kernel = _triton()
         params, grads = [pairs[k][0].detach() for k in ks], [pairs[k][1] for k in ks]
         gdtype = _launch_grad_dtype(grads, dtype)
+        if not _agrees("triton", "shard", pfmt, with_master, dtype, gdtype, hp, grad_scale, device):
+            left.extend(ks)
+            continue
         grads = [g.to(gdtype).contiguous() for g in grads]
         rows = [encodings.kernel_row_length(pfmt, tuple(p.shape), with_master) for p in params]
         sizes = [_work_size(p.numel(), r, pfmt) for p, r in zip(params, rows)]
@@ -433,6 +453,32 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         for k in ks:
             state[pairs[k][0]]["step"] += 1
     return left
+
+
+def _agrees(kernel: str, layout: str, fmt: StateFormat, has_master: bool, dtype: torch.dtype,
+            grad_dtype: torch.dtype, hp: Hyperparameters, grad_scale: Optional[Tensor], device: torch.device) -> bool:
+    """:func:`halfadam.selfcheck.kernel_agrees` for this configuration, run through ``layout``'s execution."""
+    variant = f"{cpu_kernel.lanes()} lanes" if kernel == "cpp" else \
+        "interpreted" if device.type == "cpu" else "compiled"
+    config = selfcheck.Config(kernel, str(device), dtype, grad_dtype, fmt, has_master, hp.decay,
+                              hp.optimized_update, grad_scale is not None, layout, variant)
+    check_hp = Hyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decay=hp.decay,
+                               optimized_update=hp.optimized_update)
+
+    def run(implementation: str, case: dict) -> None:
+        params, grads, scale = case["params"], case["grads"], case["grad_scale"]
+        if layout == "shard":
+            pairs, offsets = list(zip(params, grads)), [2 * p.numel() for p in params]  # a third of 3 shards
+            if implementation == "reference":
+                reference_step(pairs, case["state"], check_hp, scale, fmt, offsets)
+            elif shard_step(pairs, case["state"], check_hp, implementation, scale, fmt, offsets):
+                raise RuntimeError(f"self-check: the {implementation} kernel did not take the synthetic shards")
+        elif layout == "capturable" and implementation == "triton":
+            capturable_step(case["bucket"], list(enumerate(grads)), check_hp, implementation, scale)
+        else:
+            flat_step(case["bucket"], list(enumerate(grads)), check_hp, implementation, scale)
+
+    return selfcheck.kernel_agrees(config, run)
 
 
 def _work_size(numel: int, row_length: int, fmt: StateFormat) -> int:

@@ -19,6 +19,7 @@ __all__ = ["COMMANDS", "CLIError", "build_parser", "main"]
 COMMANDS = {
     "train": ".train",
     "bench": "halfadam.bench",
+    "doctor": "halfadam.doctor",
 }
 
 

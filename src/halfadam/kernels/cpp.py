@@ -69,7 +69,7 @@ try:
 except ImportError:  # Windows: no lock between processes (cpp_extension's own covers the ninja build)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["load", "loaded", "unavailable_reason", "SOURCE"]
+__all__ = ["load", "loaded", "lanes", "library_path", "unavailable_reason", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("adam_cpu.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP (ATen/ParallelOpenMP.h); without it the loop runs on one
@@ -286,6 +286,23 @@ def _first_cause(message: str) -> str:
             if marker in line.lower() and not line.startswith("["):  # "[1/2] g++ ...": ninja's command echo
                 return line[:300]
     return lines[-1][:300]
+
+
+def lanes() -> int:
+    """The lane width the loaded kernel runs (16, 8 or 1; 0 where none is loaded)."""
+    if _module is None:
+        return 0
+    previous = _module.set_lanes(0)  # set_lanes returns the width it replaces
+    _module.set_lanes(previous)
+    return int(previous)
+
+
+def library_path() -> Path:
+    """Where the library built for this source, torch, Python, CPU and compiler is cached (it may not exist yet)."""
+    from torch.utils import cpp_extension
+
+    name = _build_name(SOURCE.read_bytes())
+    return Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
 
 
 def loaded() -> Optional[ModuleType]:

@@ -45,9 +45,10 @@ has no short blocks, gets the kernel that loads and stores 16 bytes at a time.
 On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, as Triton reads
 it: ``triton.knobs.runtime.interpret``, at each launch): that is how the test suite checks it without
 a GPU. Two things differ there: its tiles are larger (:data:`INTERPRETED_BLOCKS_PER_TILE`; the
-results do not depend on them), and bfloat16 rounding is spelled out in integer operations (the
-interpreter's conversion truncates) where the GPU's conversion rounds to nearest even itself (a nan
-then is the GPU's nan pattern, as torch's CUDA conversion writes).
+results do not depend on them), and bfloat16 conversions are spelled out in integer operations
+where the GPU converts itself: to bfloat16 (the interpreter's conversion truncates; the GPU's rounds
+to nearest even, a nan then is the GPU's nan pattern, as torch's CUDA conversion writes) and from
+it (the interpreter's loses subnormals).
 """
 
 from __future__ import annotations
@@ -194,6 +195,16 @@ if triton is not None:
             return tl.where(x != x, 0x7FC0, r)
 
     @triton.jit
+    def _to_f32(x, CVT: tl.constexpr):
+        """x (float16, bfloat16 or float32) as float32, exactly. CVT: the GPU's conversion; else a bfloat16
+        through its bits: the interpreter's conversion loses subnormals (2.9e-39 -> 0, 1e-38 -> 8.3e-39;
+        Triton 3.9, found by halfadam.selfcheck)."""
+        if x.dtype == tl.bfloat16 and not CVT:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
     def _round_to(x, P_DTYPE: tl.constexpr, CVT: tl.constexpr):
         """x rounded to the parameter's dtype (nearest even, as Tensor.copy_), as float32."""
         if P_DTYPE == tl.bfloat16:
@@ -336,11 +347,11 @@ if triton is not None:
         return code, base1
 
     @triton.jit
-    def _load_moment(ptr, scale_ptr, mask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
+    def _load_moment(ptr, scale_ptr, mask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr, CVT: tl.constexpr):
         if KIND == 2:
             return _decode_uint8(ptr, scale_ptr, mask, bmask, IS_EXP_AVG)
         else:
-            return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+            return _to_f32(tl.load(ptr, mask=mask, other=0.0), CVT)
 
     @triton.jit
     def _store_moment(x, ptr, scale_ptr, mask, bmask, r16, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
@@ -382,10 +393,10 @@ if triton is not None:
         (where ``emask`` takes a bucket's whole blocks, the zeros of its padding are stored back). OCTETS:
         the first element's position ``position0 + first`` is a multiple of 8."""
         blocks = tl.arange(0, idx.shape[0])
-        g = tl.load(grad + idx, mask=pmask, other=0.0).to(tl.float32)
+        g = _to_f32(tl.load(grad + idx, mask=pmask, other=0.0), CVT)
         if HAS_SCALE:
             g = g * tl.load(grad_scale_ptr)
-        p = tl.load(param + idx, mask=pmask, other=0.0).to(tl.float32)
+        p = _to_f32(tl.load(param + idx, mask=pmask, other=0.0), CVT)
         # the weight: master sync (functional.sync_master_) or split decode (encodings._split_decode)
         if MASTER == 0:
             w = p
@@ -423,8 +434,8 @@ if triton is not None:
                 decoded = p + r.to(tl.float32) * (_fp16_ulp(p) * (1.0 / 65536.0))
                 keep = _written(p, _round_to(decoded, P_DTYPE, CVT)) | ~(tl.abs(p) < float("inf")) | (p == 0.0)
                 w = tl.where(keep, p, decoded)
-        m = _load_moment(m_ptr + e + idx, m_scale_ptr + eb + blocks, emask, bmask, M_KIND, True)
-        v = _load_moment(v_ptr + e + idx, v_scale_ptr + eb + blocks, emask, bmask, V_KIND, False)
+        m = _load_moment(m_ptr + e + idx, m_scale_ptr + eb + blocks, emask, bmask, M_KIND, True, CVT)
+        v = _load_moment(v_ptr + e + idx, v_scale_ptr + eb + blocks, emask, bmask, V_KIND, False, CVT)
 
         # functional.adam_elementwise_, each operation rounded once
         if L2:

@@ -1,0 +1,226 @@
+"""The kernels' self-check on first use (halfadam.selfcheck) and ``halfadam doctor``.
+
+A kernel made wrong on purpose (one bit flipped in a code, a remainder or a moment after each call) must
+be caught on its first use, warned about once, and replaced by the reference execution: training then
+continues bit for bit as ``implementation="foreach"`` does.
+"""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import halfadam
+from halfadam import encodings, executions, selfcheck
+from halfadam.encodings import PRESETS
+from halfadam.kernels import cpp
+
+from conftest import HAS_TRITON
+
+needs_cpp = pytest.mark.skipif(cpp.load() is None, reason="the C++ kernel is unavailable here")
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks(monkeypatch):
+    """Every test starts with no configuration checked, and checks on."""
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.delenv(selfcheck.ENV, raising=False)
+
+
+def _model(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(48, 200, generator=gen).to(dtype).requires_grad_(),
+            torch.randn(7, 130, generator=gen).to(dtype).requires_grad_(),
+            torch.randn(48, generator=gen).to(dtype).requires_grad_()]
+
+
+def _train(params, opt, steps=4):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+        opt.step()
+
+
+def _flip_after(monkeypatch, target, key, element=5):
+    """Wrap the kernel entry ``target`` (``"cpp"``: executions._cpp_call; ``"triton"``: the launch) so that
+    after every call bit 0 of ``flat[key][element]`` is flipped: a kernel that is wrong in one bit."""
+    def flip(flat):
+        t = flat.get(key)
+        if t is not None and t.numel() > element:
+            bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+            bits[element] ^= 1
+    if target == "cpp":
+        original = executions._cpp_call
+
+        def broken(kernel, params, grads, flat, *rest):
+            original(kernel, params, grads, flat, *rest)
+            flip(flat)
+        monkeypatch.setattr(executions, "_cpp_call", broken)
+    else:
+        from halfadam.kernels import triton as triton_kernel
+        original = triton_kernel.launch
+
+        def broken(work, table, scalars, stored, **kw):
+            original(work, table, scalars, stored, **kw)
+            flip(stored)
+        monkeypatch.setattr(triton_kernel, "launch", broken)
+
+
+def _same(a, b):
+    return selfcheck.compare(a, b) is None
+
+
+def _state(opt):
+    return {f"{i}.{k}": v for i, st in enumerate(opt.state.values()) for k, v in st.items()
+            if isinstance(v, torch.Tensor)}
+
+
+@needs_cpp
+@pytest.mark.parametrize("mode", list(PRESETS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_cpp_kernel_agrees_in_every_mode(mode, dtype):
+    params = _model(dtype)
+    _train(params, halfadam.AdamW(params, lr=1e-3, weight_decay=0.1, state_mode=mode, implementation="cpp"), 1)
+    verdicts = list(selfcheck.results().values())
+    fmt = encodings.for_param(PRESETS[mode], params[0], dtype != torch.float32)
+    assert {v.config.fmt for v in verdicts} >= {fmt}  # the matrices' format was checked, beside the bias's
+    assert all(v.config.kernel == "cpp" and v.config.param_dtype == dtype for v in verdicts)
+    assert all(v.agrees for v in verdicts), [v.difference for v in verdicts]
+
+
+@needs_cpp
+@pytest.mark.parametrize("mode, key", [("compact", "exp_avg_sq"), ("compact", "exp_avg_scale"),
+                                       ("compact", "master_lo"), ("tiny", "master_hi"), ("tiny", "exp_avg"),
+                                       ("fp32", "master_weight"), ("bf16", "exp_avg")])
+def test_a_wrong_cpp_kernel_is_caught_once_and_the_reference_takes_over(mode, key, monkeypatch):
+    reference = _model(torch.bfloat16)
+    ref_opt = halfadam.AdamW(reference, lr=1e-3, weight_decay=0.1, state_mode=mode, implementation="foreach")
+    _train(reference, ref_opt)
+    _flip_after(monkeypatch, "cpp", key)
+    params = _model(torch.bfloat16)
+    opt = halfadam.AdamW(params, lr=1e-3, weight_decay=0.1, state_mode=mode)  # auto: the C++ kernel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(params, opt)
+    failed = [str(w.message) for w in caught if "self-check failed" in str(w.message)]
+    wrong = [v for v in selfcheck.results().values() if not v.agrees]
+    assert len(failed) == len(wrong) >= 1  # once per configuration (the matrices', the bias's), over 4 steps
+    assert all(key in m and "element" in m and "C++ kernel" in m and selfcheck.ENV in m for m in failed)
+    assert all("halfadam doctor" in m for m in failed)
+    assert _same(dict(enumerate(params)), dict(enumerate(reference)))
+    assert _same(_state(opt), _state(ref_opt))
+
+
+@needs_cpp
+def test_with_the_check_off_a_wrong_kernel_goes_unnoticed(monkeypatch):
+    """The counter-check: the check is what guards (HALFADAM_SELFCHECK=0 turns it off)."""
+    reference = _model(torch.bfloat16)
+    ref_opt = halfadam.AdamW(reference, lr=1e-3, state_mode="compact", implementation="foreach")
+    _train(reference, ref_opt)
+    _flip_after(monkeypatch, "cpp", "exp_avg_sq")
+    monkeypatch.setenv(selfcheck.ENV, "0")
+    params = _model(torch.bfloat16)
+    opt = halfadam.AdamW(params, lr=1e-3, state_mode="compact")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(params, opt)
+    assert selfcheck.results() == {}
+    assert not _same(_state(opt), _state(ref_opt))
+
+
+@needs_cpp
+@pytest.mark.parametrize("broken", [False, True])
+def test_shards_are_checked_and_fall_back_to_the_reference_path(broken, monkeypatch):
+    """FSDP2's local shards (parameters with their own state) go through executions.shard_step: checked in
+    their own layout; a wrong kernel leaves them to the per-parameter reference path."""
+    if broken:
+        _flip_after(monkeypatch, "cpp", "exp_avg")
+    fmt = PRESETS["tiny"]
+    params = _model(torch.bfloat16)[:2]
+    state = {p: encodings.new_state(fmt, p, True) for p in params}
+    for st in state.values():
+        st["step"] = torch.tensor(0.0)
+    hp = executions.Hyperparameters(1e-3, 0.9, 0.999, 1e-8, 0.1, "decoupled", False)
+    pairs = [(p, torch.ones_like(p)) for p in params]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        left = executions.shard_step(pairs, state, hp, "auto", None, fmt, [0, 0])
+    assert left == ([0, 1] if broken else [])
+    assert [v.config.layout for v in selfcheck.results().values()] == ["shard"]
+    assert sum("self-check failed" in str(w.message) for w in caught) == (1 if broken else 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the triton package is not installed")
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_triton_kernel_is_checked_under_the_interpreter(broken, monkeypatch):
+    from halfadam.kernels import triton as triton_kernel
+    if not triton_kernel.available(torch.device("cpu")):
+        pytest.skip("CPU tensors run the Triton kernel only under TRITON_INTERPRET=1")
+    reference = _model(torch.bfloat16)[:2]
+    ref_opt = halfadam.AdamW(reference, lr=1e-3, state_mode="compact", implementation="foreach")
+    _train(reference, ref_opt, 2)
+    if broken:
+        _flip_after(monkeypatch, "triton", "exp_avg_sq_scale", element=1)
+    params = _model(torch.bfloat16)[:2]
+    opt = halfadam.AdamW(params, lr=1e-3, state_mode="compact", implementation="triton")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(params, opt, 2)
+    (verdict,) = selfcheck.results().values()
+    assert verdict.config.kernel == "triton" and verdict.config.variant == "interpreted"
+    assert verdict.agrees is not broken
+    assert sum("self-check failed" in str(w.message) for w in caught) == int(broken)
+    same = _same(dict(enumerate(params)), dict(enumerate(reference))) and _same(_state(opt), _state(ref_opt))
+    assert same  # right kernel: the same bits; wrong one: the reference took over
+
+
+def test_compare_names_the_first_difference():
+    a = {"x": torch.tensor([1.0, float("nan"), 2.0]), "c": torch.tensor([3, 4], dtype=torch.uint8)}
+    b = {"x": torch.tensor([1.0, float("nan"), 2.0]), "c": torch.tensor([3, 5], dtype=torch.uint8)}
+    assert selfcheck.compare(a, dict(a)) is None  # nans with any payload count as equal
+    assert selfcheck.compare(a, b) == "c element 1 is 4 where the reference gives 5 (1 of 2 elements differ)"
+    b = {"x": torch.tensor([1.0, float("nan"), -0.0]), "c": a["c"]}
+    a["x"][2] = 0.0
+    assert selfcheck.compare(a, b).startswith("x element 2 is 0 (0x00000000) where the reference gives -0 (0x80000000)")
+
+
+def test_the_synthetic_set_holds_the_hard_values():
+    config = selfcheck.Config("cpp", "cpu", torch.bfloat16, torch.bfloat16, PRESETS["fp32"], True, "decoupled",
+                              False, True)
+    case = selfcheck.synthetic_set(config, torch.device("cpu"))
+    p = torch.cat([q.detach().reshape(-1).float() for q in case["params"]])
+    g = torch.cat([q.reshape(-1).float() for q in case["all_grads"][0] + case["all_grads"][1]])
+    tiny = torch.finfo(torch.bfloat16).tiny
+    assert (p == 0).any() and (p.abs() < tiny).logical_and(p != 0).any() and (p.abs() > 1e37).any()
+    assert g.isnan().any() and (g == float("inf")).any() and (g == -float("inf")).any() and (g == 0).any()
+    assert [q.numel() for q in case["params"]][0] == 1
+    master = case["bucket"].flat["master_weight"]
+    q = torch.cat([q.detach().reshape(-1) for q in case["params"]])
+    midpoint = (p + (q.view(torch.int16) + 1).view(torch.bfloat16).float()) / 2  # halfway to the next value
+    assert (master == midpoint).float().mean() > 0.3  # ties of the rounding
+    assert ((master != midpoint) & (master != p)).float().mean() > 0.3  # next to them
+
+
+@needs_cpp
+def test_doctor_on_the_cpu_exits_0_and_names_every_mode():
+    out = subprocess.run([sys.executable, "-m", "halfadam", "doctor", "--params", "3e5"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    for word in ("torch", "triton", "compiler", "cpu", "cpp", "configurations agree", *PRESETS, "torch fused"):
+        assert word in text, word
+    assert "\r" not in text + out.stderr and len(text.splitlines()) <= 30
+    assert "every kernel gives the reference's bits" in text
+
+
+@needs_cpp
+def test_doctor_reports_a_wrong_kernel_and_exits_1(monkeypatch, capsys):
+    from halfadam.cli import main
+    _flip_after(monkeypatch, "cpp", "exp_avg")
+    assert main(["doctor", "--no-timing"]) == 1
+    text = capsys.readouterr().out
+    assert "DIFFERS" in text and "exp_avg" in text and "please report" in text
