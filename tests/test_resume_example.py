@@ -128,3 +128,13 @@ def test_an_entry_not_restored_ends_elsewhere(runs, tmp_path, entry, changed):
     random.setstate(python_state)
     found = differences(load_checkpoint(tmp / "straight.pt"), load_checkpoint(tmp_path / "out.pt"))
     assert any(d.startswith(changed) for d in found), found
+
+
+def test_the_docs_show_the_examples_lines():
+    """docs/checkpoints.md's "Resuming bit for bit" quotes examples/resume.py: each of its code lines is one there."""
+    section = (ROOT / "docs" / "checkpoints.md").read_text(encoding="utf-8").split("## Resuming bit for bit", 1)[1]
+    quoted = section.split("```python\n", 1)[1].split("```", 1)[0]
+    lines = {line.strip() for line in EXAMPLE.read_text(encoding="utf-8").splitlines()}
+    shown = [line.strip() for line in quoted.splitlines() if line.strip() and not line.strip().startswith("...")]
+    assert len(shown) > 10
+    assert [line for line in shown if line not in lines] == []
