@@ -124,7 +124,8 @@ def test_an_entry_not_restored_ends_elsewhere(runs, tmp_path, entry, changed):
         saved = load_checkpoint(tmp / "ckpt.pt")
         saved.update(unrestored(entry, ex))
         save_checkpoint(tmp_path / "ckpt.pt", **saved)
-        ex.main(["--steps", str(STEPS), *IMPL, "--resume", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "out.pt")])
+        ex.main(["--steps", str(STEPS), *IMPL, "--resume", str(tmp_path / "ckpt.pt"),
+                 "--out", str(tmp_path / "out.pt")])
     random.setstate(python_state)
     found = differences(load_checkpoint(tmp / "straight.pt"), load_checkpoint(tmp_path / "out.pt"))
     assert any(d.startswith(changed) for d in found), found
