@@ -8,6 +8,7 @@ scheduler, the RNG as after start-up, the first batch) must end elsewhere: the c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -111,6 +112,32 @@ def unrestored(entry, ex):
             "scaler": {"scaler": scaler.state_dict()}}[entry]
 
 
+@contextlib.contextmanager
+def rng_kept():
+    """torch's and Python's RNG states as they were when the block ends (the example seeds both)."""
+    python_state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python_state)
+
+
+def in_process(ex, *args):
+    """``examples/resume.py`` run in this process."""
+    with rng_kept():
+        ex.main(["--steps", str(STEPS), *IMPL, *map(str, args)])
+
+
+def test_a_stop_at_an_epoch_end_resumes_too(runs, tmp_path):
+    """Stopped after the first epoch's last batch (its order drawn, all 8 batches taken), then resumed."""
+    ex = example()
+    in_process(ex, "--stop-at", 8, "--save", tmp_path / "ckpt.pt")
+    assert load_checkpoint(tmp_path / "ckpt.pt")["batch"] == 8
+    in_process(ex, "--resume", tmp_path / "ckpt.pt", "--out", tmp_path / "out.pt")
+    assert differences(load_checkpoint(runs["tmp"] / "straight.pt"), load_checkpoint(tmp_path / "out.pt")) == []
+
+
 @pytest.mark.parametrize("entry, changed", [
     ("rng", "/model"),           # other dropout masks
     ("scheduler", "/model"),     # other learning rates
@@ -119,14 +146,11 @@ def unrestored(entry, ex):
 ])
 def test_an_entry_not_restored_ends_elsewhere(runs, tmp_path, entry, changed):
     tmp, ex = runs["tmp"], example()
-    python_state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        saved = load_checkpoint(tmp / "ckpt.pt")
+    saved = load_checkpoint(tmp / "ckpt.pt")
+    with rng_kept():
         saved.update(unrestored(entry, ex))
-        save_checkpoint(tmp_path / "ckpt.pt", **saved)
-        ex.main(["--steps", str(STEPS), *IMPL, "--resume", str(tmp_path / "ckpt.pt"),
-                 "--out", str(tmp_path / "out.pt")])
-    random.setstate(python_state)
+    save_checkpoint(tmp_path / "ckpt.pt", **saved)
+    in_process(ex, "--resume", tmp_path / "ckpt.pt", "--out", tmp_path / "out.pt")
     found = differences(load_checkpoint(tmp / "straight.pt"), load_checkpoint(tmp_path / "out.pt"))
     assert any(d.startswith(changed) for d in found), found
 
