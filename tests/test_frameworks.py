@@ -183,6 +183,80 @@ def test_hf_trainer_checkpoint_keeps_fp32_masters(hf_run, tmp_path):
     assert logged_lrs(trainer) == [(s, schedule(s - 1)) for s in range(1, STEPS + 1)]
 
 
+def test_hf_trainer_ignores_its_optimizer_and_scheduler_arguments(tmp_path):
+    """docs/migrating.md: with optimizers=(opt, sched), TrainingArguments' learning rate, decay, betas, eps,
+    optimizer and scheduler settings reach nothing: the masters are the plain loop's with halfadam's own."""
+    transformers = pytest.importorskip("transformers")
+    schedule, model = make_schedule(), make_model()
+    opt = halfadam.AdamW(model.parameters(), learning_rate=schedule, weight_decay=0.01, implementation=IMPL)
+    trainer = hf_trainer(tmp_path, model, opt, as_lr_scheduler(opt), learning_rate=0.5, weight_decay=0.3,
+                         adam_beta1=0.5, adam_beta2=0.6, adam_epsilon=0.1, optim="sgd", lr_scheduler_type="constant",
+                         warmup_steps=3)
+    trainer.train()
+    assert logged_lrs(trainer) == [(s, schedule(s - 1)) for s in range(1, STEPS + 1)]
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [((0.9, 0.999), 1e-8, 0.01)]
+    ref_opt, ref_model = replay(model.seen, schedule, STEPS)
+    assert_masters_equal(masters(opt, model), masters(ref_opt, ref_model))
+    # Trainer's own optimizer would have left the biases undecayed; halfadam's one group decays them
+    own = hf_trainer(tmp_path, MLP(), None, None, weight_decay=0.3)
+    own.create_optimizer()
+    assert [(g["weight_decay"], len(g["params"])) for g in own.optimizer.param_groups] == [(0.3, 2), (0.0, 2)]
+    assert own.get_decay_parameter_names(model) == ["fc1.weight", "fc2.weight"]
+    assert isinstance(own.optimizer, torch.optim.AdamW) and not isinstance(opt, torch.optim.AdamW)
+    assert transformers.TrainingArguments(output_dir=str(tmp_path)).max_grad_norm == 1.0
+
+
+def test_hf_trainer_keeps_its_schedule_through_get_scheduler(tmp_path):
+    """transformers.get_scheduler over halfadam with a numeric lr: the learning rates Trainer's own scheduler
+    logs for the same arguments, and the masters of a plain loop given those rates."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2)
+    own = hf_trainer(tmp_path, MLP(), None, None, **kw)  # Trainer builds torch's AdamW and its scheduler
+    own.train()
+    model = make_model()
+    opt = halfadam.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, implementation=IMPL)
+    args = own.args
+    sched = transformers.get_scheduler(args.lr_scheduler_type, opt, num_warmup_steps=args.get_warmup_steps(STEPS),
+                                       num_training_steps=STEPS)
+    trainer = hf_trainer(tmp_path, model, opt, sched, **kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert override_warnings(record) == []
+    assert logged_lrs(trainer) == logged_lrs(own)
+    lrs = [lr for _, lr in logged_lrs(trainer)]
+    assert lrs[0] == 0.0 and max(lrs) == 1e-2
+    ref_opt, ref_model = replay(model.seen, lambda t: lrs[t], STEPS)
+    assert_masters_equal(masters(opt, model), masters(ref_opt, ref_model))
+
+
+def test_hf_trainer_clips_at_one_by_default(tmp_path):
+    """docs/migrating.md: Trainer clips .grad to a global norm of 1.0 unless max_grad_norm=0."""
+    transformers = pytest.importorskip("transformers")
+
+    class Norms(transformers.TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):  # after Trainer's clipping
+            self.seen.append(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])))
+
+    data = [{"x": d["x"], "labels": 100 * d["labels"]} for d in make_data()]  # gradients of norm far above 1
+    seen = {}
+    for name, extra in {"default": {}, "off": {"max_grad_norm": 0.0}}.items():
+        model, norms = make_model(), Norms()
+        opt = halfadam.AdamW(model.parameters(), lr=1e-3, implementation=IMPL)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, report_to=[], use_cpu=True,
+                                              per_device_train_batch_size=BATCH, save_strategy="no",
+                                              disable_tqdm=True, **extra)
+        transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, as_lr_scheduler(opt)),
+                             callbacks=[norms]).train()
+        seen[name] = torch.stack(norms.seen)
+    assert len(seen["default"]) == len(seen["off"]) == STEPS
+    assert (seen["off"] > 10).all()                          # unclipped
+    assert ((seen["default"] - 1.0).abs() < 0.02).all()       # clipped to 1 (bf16 gradients: within rounding)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Lightning
 # ---------------------------------------------------------------------------------------------------
