@@ -219,8 +219,24 @@ def test_doctor_on_the_cpu_exits_0_and_names_every_mode():
 
 @needs_cpp
 def test_doctor_reports_a_wrong_kernel_and_exits_1(monkeypatch, capsys):
+    """In a process that has already met the wrong kernel (and warned) the doctor checks everything
+    again and lists those configurations too."""
     from halfadam.cli import main
     _flip_after(monkeypatch, "cpp", "exp_avg")
+    params = [torch.randn(64, 96).to(torch.bfloat16).requires_grad_()]
+    with pytest.warns(RuntimeWarning, match="self-check failed"):
+        _train(params, halfadam.AdamW(params, lr=1e-3, weight_decay=0.01, state_mode="compact"), 1)
     assert main(["doctor", "--no-timing"]) == 1
     text = capsys.readouterr().out
     assert "DIFFERS" in text and "exp_avg" in text and "please report" in text
+    assert "0 of 20 configurations agree" in text
+    assert len(selfcheck.results()) == 20  # the earlier verdict kept, the doctor's added
+
+
+def test_doctor_says_when_no_kernel_was_checked(monkeypatch, capsys):
+    from halfadam import doctor
+    from halfadam.cli import main
+    monkeypatch.setattr(doctor, "_kernel_for", lambda device: None)
+    assert main(["doctor", "--no-timing"]) == 0
+    text = capsys.readouterr().out
+    assert "none was checked" in text and "every kernel gives" not in text

@@ -24,18 +24,23 @@ differing element with both values, and the configuration runs the reference exe
 (``"foreach"``, or the per-parameter path for shards) for the rest of the process: the same results,
 slower. A capturable step has no such path and raises :class:`RuntimeError` instead.
 
-Cost: one check per configuration and process, measured by ``halfadam doctor`` (about 10-30 ms on a
-CPU for the C++ kernel; :func:`results` holds each check's time). ``HALFADAM_SELFCHECK=0`` (or
-``false``/``off``/``no``) turns it off.
+A model's 1-D parameters (biases, norms) keep fp32 fields in every mode, so they form a configuration of
+their own beside the matrices'.
+
+Cost: one check per configuration and process: 10-130 ms each on the C++ kernel (a 2-core AMD EPYC,
+loaded; the 8-bit modes cost most, nearly all of it the eager reference), so a model's first step takes
+about 30-150 ms longer; ``halfadam doctor`` prints the figure here, and :func:`results` holds each
+check's time. ``HALFADAM_SELFCHECK=0`` (or ``false``/``off``/``no``) turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import Tensor
@@ -44,7 +49,7 @@ from . import encodings
 from .buckets import Bucket
 from .encodings import StateFormat
 
-__all__ = ["Config", "Verdict", "kernel_agrees", "enabled", "results", "synthetic_set", "compare"]
+__all__ = ["Config", "Verdict", "kernel_agrees", "enabled", "recheck", "results", "synthetic_set", "compare"]
 
 ENV = "HALFADAM_SELFCHECK"
 LAYOUTS = ("bucket", "shard", "capturable")
@@ -101,6 +106,18 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+@contextlib.contextmanager
+def recheck() -> Iterator[None]:
+    """Within it, every configuration is checked again (``halfadam doctor``); afterwards the earlier
+    verdicts stand where they exist (a configuration that failed keeps failing)."""
+    earlier = dict(_verdicts)
+    _verdicts.clear()
+    try:
+        yield
+    finally:
+        _verdicts.update(earlier)
+
+
 def results() -> Dict[Config, Verdict]:
     """Every check run in this process so far, by configuration."""
     return dict(_verdicts)
@@ -130,8 +147,10 @@ def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
             warnings.warn(
                 f"halfadam: self-check failed for {config.describe()}: {difference}. This configuration runs "
                 f"{'nothing' if config.layout == 'capturable' else 'the reference execution'} for the rest of "
-                f"this process (the same results, slower). Please report it to halfadam with the output of "
-                f"`halfadam doctor`; set {ENV}=0 to skip the check.", RuntimeWarning, stacklevel=3)
+                f"this process (the same results, slower). Please report it to halfadam's issue tracker with the "
+                f"output of `halfadam doctor`. To avoid the kernel from the start: implementation='foreach' (or "
+                f"HALFADAM_CPP=0 for the C++ one); {ENV}=0 skips the check and trains on the kernel as it is.",
+                RuntimeWarning, stacklevel=3)
     return verdict.agrees
 
 
