@@ -160,6 +160,75 @@ def test_math_is_mathml(site):
     assert "<mtext>lr</mtext>" in update and "<mtext>wd</mtext>" in update
 
 
+
+# ---- the API pages: public bases, typed parameters, wrapped signatures ------------------------
+
+def _text(fragment: str) -> str:
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def _api_html(site: Path) -> dict[str, str]:
+    pages = {p.parent.name: p.read_text(encoding="utf-8") for p in sorted((site / "api").glob("*/index.html"))}
+    assert len(pages) == len(API_PAGES) - 1, sorted(pages)  # docs/api/index.md is api/index.html
+    return pages
+
+
+def test_api_pages_show_no_private_base(site):
+    """No class lists a private base (``Bases: _AdamBase``): docs/_ext/public_bases.py shows its
+    public bases instead, so AdamW, Adam and AdamFP16 show torch's Optimizer."""
+    shown = {}
+    for name, text in _api_html(site).items():
+        for bases in re.findall(r'<p class="doc doc-class-bases">(.*?)</p>', text, flags=re.S):
+            titles = re.findall(r'title="([^"]+)"', bases)
+            shown.setdefault(name, []).append((" ".join(_text(bases).split()), titles))
+            private = [t for t in titles + _text(bases).replace(",", " ").split()[1:] if
+                       t.rsplit(".", 1)[-1].startswith("_")]
+            assert not private, f"api/{name}: a private base is shown: {_text(bases).strip()} {titles}"
+    for page in ["adamw", "adam", "adamfp16"]:
+        assert shown.get(page) == [("Bases: Optimizer", ["torch.optim.Optimizer"])], (page, shown.get(page))
+    assert ("Bases: ValueError", ["ValueError"]) in shown["checkpoint-error"], "a public base stays shown"
+
+
+def test_api_parameters_have_types(site):
+    """Every row of every Parameters table on the API pages has a type (from the signature's
+    annotations): no empty type column."""
+    untyped, rows = [], 0
+    for name, text in _api_html(site).items():
+        for table in re.findall(r"<table>(.*?)</table>", text, flags=re.S):
+            head = [_text(h).strip() for h in re.findall(r"<th[^>]*>(.*?)</th>", table, flags=re.S)]
+            if head[:2] != ["Name", "Type"]:
+                continue
+            for row in re.findall(r'<tr class="doc-section-item">(.*?)</tr>', table, flags=re.S):
+                cells = [" ".join(_text(c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, flags=re.S)]
+                rows += 1
+                if not cells[1]:
+                    untyped.append(f"api/{name}: {cells[0]}")
+    assert rows > 50, f"only {rows} parameter rows on the API pages"
+    assert not untyped, "parameters without a type (annotate the signature):\n  " + "\n  ".join(untyped)
+
+
+def test_api_signatures_wrapped(site):
+    """Signatures are formatted (black, ``line_length: 88`` in mkdocs.yml): no line of a signature
+    is longer than 88 characters, and AdamW's puts one parameter on each line."""
+    long, signatures = [], {}
+    for name, text in _api_html(site).items():
+        for sig in re.findall(r'<div class="doc-signature highlight"><pre[^>]*>(.*?)</pre>', text, flags=re.S):
+            sig = _text(sig).strip()
+            signatures.setdefault(name, []).append(sig)
+            long += [f"api/{name}: {line}" for line in sig.splitlines() if len(line) > 88]
+    assert sum(map(len, signatures.values())) > 50, signatures.keys()
+    assert not long, ("signature lines over 88 characters (is black installed? the test extra has it):\n  "
+                      + "\n  ".join(long))
+    adamw = signatures["adamw"][0].splitlines()
+    assert adamw[0] == "AdamW(" and adamw[-1] == ")", adamw
+    for parameter in ["params: Iterable[Tensor]", "lr: float | Tensor", "betas: tuple[float, float] = (0.9, 0.999),",
+                      "weight_decay: float | Callable[[int], float] = 0.0,", "state_mode: str = \"fp32\",",
+                      "fused: bool | None = None"]:
+        assert any(line.strip().startswith(parameter) for line in adamw), (parameter, adamw)
+
+
 def _identifiers() -> list[str]:
     """The objects the API pages render (their ``::: identifier`` lines)."""
     found = []
