@@ -151,6 +151,8 @@ def test_math_is_mathml(site):
         for block in blocks:
             assert block.startswith('<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">'), block[:200]
             assert "\\" not in block, f"{name}: LaTeX left in a formula: {block[:300]}"
+    assert re.search(r'<link rel="stylesheet" href="(\.\./)*stylesheets/mathml\.css">', adamw), \
+        "docs/stylesheets/mathml.css (the tables' alignment in Chromium) is not on the page"
     update = re.search(r'<div class="arithmatex">(.*?)</div>', adamw, flags=re.S).group(1)
     # three aligned rows: w <- w (1 - lr wd); m <- ..., v <- ...; w <- w - lr/(1 - beta1^t) m / (...)
     assert update.count("<mtr>") == 3 and update.count('<mtd columnalign="right">') == 3, update
