@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -257,12 +257,13 @@ class _AdamBase(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @_outside_inference_mode
     @torch.no_grad()
-    def step(self, closure=None, *, grads: Optional[Dict[Tensor, Optional[Tensor]]] = None,
-             grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None):
+    def step(self, closure: Callable[[], Any] | None = None, *, grads: Mapping[Tensor, Tensor | None] | None = None,
+             grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> Any:
         """Take one optimization step.
 
         Args:
-            closure: re-evaluates the model and returns the loss (optional, as in torch).
+            closure: re-evaluates the model and returns the loss (optional, as in torch), which the
+                call returns (``None`` without a closure).
             grads: gradients to use instead of ``param.grad``: a mapping from parameter to gradient of
                 the parameter's shape (any floating dtype; fp32 keeps small values that fp16 flushes to
                 zero). Parameters missing from the mapping, or mapped to ``None``, are skipped, as are
@@ -543,11 +544,16 @@ class AdamW(_AdamBase):
             per-block state (split masters, uint8 moments).
     """
 
-    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
-                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
-                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+    def __init__(self, params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
+                 lr: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | Callable[[int], float] = 0.0, *,
+                 learning_rate: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 master_weights: bool | None = None,
+                 implementation: str = "auto", state_mode: str = "fp32", store_param_remainders: bool | None = None,
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+                 amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None):
         check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
@@ -565,11 +571,16 @@ class Adam(_AdamBase):
     Arguments, defaults and errors are those of :class:`AdamW`.
     """
 
-    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
-                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
-                 amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+    def __init__(self, params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
+                 lr: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float | Callable[[int], float] = 0.0, *,
+                 learning_rate: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 master_weights: bool | None = None,
+                 implementation: str = "auto", state_mode: str = "fp32", store_param_remainders: bool | None = None,
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+                 amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None):
         check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
         super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
@@ -625,11 +636,14 @@ class AdamFP16(_AdamBase):
     ``load_state_dict`` keeps the fp32 state in fp32. Other arguments and errors as :class:`AdamW`.
     """
 
-    def __init__(self, params, lr=None, betas=(0.9, 0.999), eps=1e-16,
+    def __init__(self, params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
+                 lr: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-16,
                  weight_decay: WeightDecay = WeightDecay(), optimized_update: bool = True, *,
-                 learning_rate=None, master_weights: Optional[bool] = None, implementation: str = "auto",
-                 state_mode: str = "fp32", store_param_remainders: Optional[bool] = None,
-                 exp_avg_dtype: Optional[torch.dtype] = None, exp_avg_sq_dtype: Optional[torch.dtype] = None,
+                 learning_rate: float | Tensor | Sequence[float] | Callable[[int], float] | None = None,
+                 master_weights: bool | None = None,
+                 implementation: str = "auto", state_mode: str = "fp32", store_param_remainders: bool | None = None,
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
                  capturable: bool = False):
         if not isinstance(weight_decay, WeightDecay):
             raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
