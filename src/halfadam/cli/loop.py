@@ -228,13 +228,13 @@ class _ModeRun:
         bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, desc=f"{self.mode.name:>13}",
                    unit="step", disable=True if not cfg.progress or self.rank != 0 else None, dynamic_ncols=True,
                    leave=True)
-        started = time.perf_counter()
+        started, drawn = time.perf_counter(), not bar.disable  # (close() sets disable)
         with _log_above(bar):
             for step in bar:
                 if not self._step(net, plan, step, bar):
                     break
         bar.close()
-        if bar.disable and cfg.progress and self.rank == 0:
+        if not drawn and cfg.progress and self.rank == 0:
             self._summary_line(first_step, time.perf_counter() - started)
         del net  # DDP sits in reference cycles; the next mode builds its own
         self._finish(first_step)

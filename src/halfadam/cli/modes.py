@@ -25,7 +25,7 @@ class Mode:
     """One way to train: the parameter dtype, which AdamW, and whether a loss scaler is used."""
 
     name: str
-    dtype: str  # the parameters' dtype, a torch attribute name ("bfloat16"; torch is imported on use)
+    dtype: str  # the parameters' dtype as torch names it ("bfloat16"; torch is imported on use), or a torch.dtype
     optimizer: str  # "torch" (torch.optim.AdamW), "halfadam" (halfadam.AdamW) or "peer" (``peer``'s)
     loss_scaler: str | None  # None or "halfadam" (halfadam.GradScaler)
     description: str
@@ -35,6 +35,8 @@ class Mode:
     @property
     def param_dtype(self) -> torch.dtype:
         """The parameters' dtype (``torch.bfloat16``, ...)."""
+        if not isinstance(self.dtype, str):  # a torch.dtype itself (docs/research's modes pass one)
+            return self.dtype
         import torch
 
         return getattr(torch, self.dtype)

@@ -47,6 +47,8 @@ class Peer:
     @property
     def param_dtype(self) -> torch.dtype:
         """The parameters' dtype (``torch.bfloat16`` for most)."""
+        if not isinstance(self.dtype, str):  # a torch.dtype itself (docs/research's modes pass one)
+            return self.dtype
         import torch
 
         return getattr(torch, self.dtype)
