@@ -643,6 +643,7 @@ def test_the_package_still_offers_its_names():
 
     assert halfadam.AdamW is AdamW and "AdamW" in dir(halfadam)
     assert halfadam.checkpoint.__name__ == "halfadam.checkpoint"
+    assert halfadam.encodings.BLOCK == 128  # a submodule, as when the package imported them all
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         halfadam.nothing  # noqa: B018
 

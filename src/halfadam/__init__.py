@@ -30,11 +30,15 @@ _HOMES = {"AdamW": ".optimizer", "Adam": ".optimizer", "AdamFP16": ".optimizer",
 
 
 def __getattr__(name: str):
-    """Import a public name on first use (PEP 562); later uses find it in the module's globals."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'halfadam' has no attribute {name!r}")
-    module = importlib.import_module(home, __name__)
+    """Import a public name on first use (PEP 562), or a submodule (``halfadam.encodings``, as when this
+    module imported them all); later uses find it in the module's globals."""
+    home = _HOMES.get(name, "." + name)
+    try:
+        module = importlib.import_module(home, __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}{home}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = module if home == "." + name else getattr(module, name)
     globals()[name] = value
     return value

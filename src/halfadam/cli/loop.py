@@ -245,8 +245,9 @@ class _ModeRun:
         taken = len(curves.train_loss) - first_step
         loss = f", loss {curves.train_loss[-1]:.3f}" if taken > 0 else ""
         val = f", val {curves.val_loss[-1]:.3f}" if curves.val_loss else ""
-        stopped = f", stopped: loss {curves.train_loss[-1]}" if curves.diverged_at is not None and taken > 0 else ""
-        print(f"{self.mode.name:>13}: {taken} step{'s' * (taken != 1)} in {seconds:.1f} s{loss}{val}{stopped}",
+        if curves.diverged_at is not None and taken > 0:
+            loss, val = f", stopped: loss {curves.train_loss[-1]}", ""
+        print(f"{self.mode.name:>13}: {taken} step{'s' * (taken != 1)} in {seconds:.1f} s{loss}{val}",
               file=sys.stderr, flush=True)
 
     def _start(self) -> int:
