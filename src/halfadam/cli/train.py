@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text file for char-lm (default: the Python standard library's .py sources)")
     parser.add_argument("--modes", type=_modes, default=list(MODES.values()), metavar="LIST",
                         help=f"comma-separated modes to run (default: all = {','.join(MODES)}); also the "
-                             f"--peers names whose package is installed")
+                             f"--peers names whose package is installed. A part of one mode's name stands for it "
+                             f"(tiny, compact, halfadam-tiny), and torch's dtype names for the short ones "
+                             f"(bfloat16-halfadam)")
     parser.add_argument("--peers", action="store_true",
                         help="also train the optimizers a user would pick instead of halfadam, each only if its "
                              "package is installed (else one line says which is missing): "
@@ -139,7 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--d-model", type=positive_int, default=128, help="embedding width (default 128)")
     model.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (drawn only where stderr is a terminal; elsewhere each mode ends "
+                             "with one summary line, which this also leaves out)")
     _add_checkpoint_arguments(parser)
     _add_distributed_arguments(parser)
 
