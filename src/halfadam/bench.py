@@ -58,7 +58,7 @@ IMPLS = ("reference", "foreach", "fused", "cpp", "triton", "auto")
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 #: Elements per quantization block (:data:`halfadam.encodings.BLOCK`; tests/test_bench.py checks), without torch.
 BLOCK = 128
-#: What a run without options times (well under a minute and 2 GB on 2 cores): every state mode in the
+#: What a run without options times (5 s and 0.9 GB on 2 cores, 2026-12-06): every state mode in the
 #: implementation a user gets (``auto``) on one 4M-parameter case of bfloat16 parameters, against torch's AdamW.
 #: (``foreach`` is left out: in the 8-bit modes its eager step takes half a second at this size.)
 QUICK = dict(sizes=[4_000_000], tensors=16, small=False, dtypes=["bf16"], impls=["auto"],
@@ -418,7 +418,8 @@ def _size(part: str) -> float:
 
 
 def _sizes(text: str) -> List[int]:
-    """``--sizes``: comma-separated positive integer parameter counts: ``1000000``, ``1e6``, ``1M``, ``1.5M``, ``20k``."""
+    """``--sizes``: comma-separated positive integer parameter counts: ``1000000``, ``1e6``, ``1M``, ``1.5M``,
+    ``20k``."""
     sizes = []
     for part in text.split(","):
         value = _size(part)
@@ -450,8 +451,8 @@ def _default(key: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``halfadam bench``'s options on ``parser`` (returned)."""
     parser.description = (
-        f"{HELP}. Without options (about 30 s and 0.6 GB on 2 cores): every state mode "
-        f"({','.join(STATE_MODES)}) in the implementation halfadam picks (auto) on one 4M-parameter case in "
+        f"{HELP}. Without options (5 s, up to 50 s when the cores are busy, and 0.9 GB on 2 cores): every "
+        f"state mode ({','.join(STATE_MODES)}) in the implementation halfadam picks (auto) on one 4M-parameter case in "
         f"bfloat16, against torch's AdamW; --full for the full sweep. Options given replace the defaults, also "
         f"under --full.")
     parser.add_argument("--full", action="store_true",
