@@ -9,7 +9,7 @@ from halfadam import bench
 
 
 def test_bench_json_rows(capsys):
-    argv = ["--sizes", "20480", "--tensors", "4", "--no-small", "--impls", "reference,foreach",
+    argv = ["--sizes", "20480", "--tensors", "4", "--impls", "reference,foreach", "--state-modes", "fp32,compact",
             "--dtypes", "fp16,fp32", "--warmup", "1", "--repeat", "2", "--json"]
     assert bench.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -38,7 +38,7 @@ def test_bench_table_and_cli_protocol(capsys):
                               "--dtypes", "bf16", "--warmup", "0", "--repeat", "1"])
     assert bench.run(args) == 0
     out = capsys.readouterr().out
-    assert "x torch fused" in out and "halfadam reference" in out
+    assert "x fused" in out and "halfadam reference" in out
 
 
 def test_bench_state_modes_are_the_presets():
@@ -51,11 +51,17 @@ def test_bench_state_modes_are_the_presets():
     ("argv", "expected"),
     [
         (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
-        (["--sizes", "-1"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got '-1'"),
-        (["--sizes", "0"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got '0'"),
-        (["--sizes", "abc"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got 'abc'"),
-        (["--sizes", "1e6,2.5"], "argument --sizes: expected positive integer parameter counts like 1e6,2e7, got "
-                                 "'2.5' in '1e6,2.5'"),
+        (["--sizes", "-1"], "argument --sizes: expected positive integer parameter counts like 1M,20M or 1e6,2e7, "
+                            "got '-1'"),
+        (["--sizes", "0"], "argument --sizes: expected positive integer parameter counts like 1M,20M or 1e6,2e7, "
+                           "got '0'"),
+        (["--sizes", "abc"], "argument --sizes: expected positive integer parameter counts like 1M,20M or 1e6,2e7, "
+                             "got 'abc'"),
+        (["--sizes", "1e6,2.5"], "argument --sizes: expected positive integer parameter counts like 1M,20M or "
+                                 "1e6,2e7, got '2.5' in '1e6,2.5'"),
+        (["--sizes", "1M,1.0001k"], "got '1.0001k' in '1M,1.0001k'"),
+        (["--sizes", "M"], "got 'M'"),
+        (["--sizes", "1x"], "got '1x'"),
         (["--tensors", "0"], "argument --tensors: expected a positive integer, got '0'"),
         (["--repeat", "0"], "argument --repeat: expected a positive integer, got '0'"),
         (["--repeat", "-1"], "argument --repeat: expected a positive integer, got '-1'"),
@@ -106,13 +112,14 @@ def test_a_failing_configuration_is_a_row_and_the_table_goes_on(capsys, monkeypa
     captured = capsys.readouterr()
     assert list(calls.values()) == [2]  # failed in its second round, then never stepped again
     lines = captured.out.splitlines()
+    assert "8192/2: 8,192 parameters in 2 tensors, cpu, " in captured.out  # the case's heading
     fp16 = [line for line in lines if "halfadam reference" in line and " fp16 " in line]
-    assert len(fp16) == 1 and fp16[0].split() == ["8192/2", "halfadam", "reference", "fp16", "fp32", "failed:",
+    assert len(fp16) == 1 and fp16[0].split() == ["halfadam", "reference", "fp16", "fp32", "failed:",
                                                  "RuntimeError:", "damaged", "cache", "entry"], fp16
     bf16 = [line.split() for line in lines if "halfadam reference" in line and " bf16 " in line]
-    assert len(bf16) == 1 and float(bf16[0][5]) > 0  # timed: ms/step
+    assert len(bf16) == 1 and float(bf16[0][4]) > 0  # timed: ms/step
     # torch for-loop, foreach and fused on fp32 parameters, and fused on bf16 parameters
-    assert sum(line.split()[1:2] == ["torch"] for line in lines) == 4
+    assert sum(line.split()[:1] == ["torch"] for line in lines) == 4
     assert captured.err == "halfadam bench: 1 of 6 configurations failed (the rows marked failed)\n"
 
 
@@ -172,3 +179,90 @@ def test_sizes_become_matrices_of_whole_blocks(capsys):
 def test_tiny_tensors_say_they_keep_float32_fields():
     case = bench._case("overhead", bench.matrix_shapes(20_000, 2000), 20_000)
     assert "1-D tensors of 10 elements" in bench._describe_case(case) and "12 B/param" in bench._describe_case(case)
+
+
+def _args_of(monkeypatch, argv):
+    """The options ``halfadam bench argv`` would time, its defaults filled in (nothing is timed)."""
+    seen = []
+    monkeypatch.setattr(bench, "measure", lambda args: seen.append(args) or [])
+    assert bench.main(argv) == 0
+    return seen[0]
+
+
+def test_the_default_times_every_state_mode_on_one_small_case(monkeypatch):
+    """No options: every state mode, tiny included, in the implementation a user gets (auto), on one 4M case of
+    bfloat16 parameters, no many-small or overhead case (the old sweep took 4 min and 9 GB: it is --full)."""
+    args = _args_of(monkeypatch, [])
+    assert args.state_modes == ["fp32", "split", "bf16", "compact", "tiny"]
+    assert (args.sizes, args.tensors, args.small, args.dtypes, args.impls) == ([4_000_000], 16, False, ["bf16"],
+                                                                               ["auto"])
+    assert [c["name"] for c in bench._cases(args)] == ["4M/16"]
+
+
+def test_full_is_the_old_sweep_and_options_given_still_win(monkeypatch):
+    args = _args_of(monkeypatch, ["--full"])
+    assert (args.sizes, args.tensors, args.small) == ([1_000_000, 20_000_000], 50, True)
+    assert args.dtypes == ["fp16", "bf16", "fp32"] and args.state_modes == ["fp32", "compact"]
+    assert args.impls == ["reference", "foreach", "fused", "cpp", "triton"] and (args.warmup, args.repeat) == (2, 7)
+    assert [c["name"] for c in bench._cases(args)] == ["1M/50", "20M/50", "many-small 2M/2000", bench.OVERHEAD_CASE]
+    args = _args_of(monkeypatch, ["--full", "--state-modes", "tiny", "--sizes", "2M", "--no-small"])
+    assert (args.state_modes, args.sizes, args.small, args.tensors) == (["tiny"], [2_000_000], False, 50)
+
+
+def test_help_states_what_the_default_and_full_cost(capsys):
+    from halfadam.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("Without options (5 s, up to 50 s when the cores are busy, and 0.9 GB on 2 cores): every state mode "
+            "(fp32,split,bf16,compact,tiny)") in text
+    assert "--full the full sweep:" in text and "(about 4 min and 9 GB on 2 cores)" in text
+
+
+@pytest.mark.parametrize(("text", "sizes"), [
+    ("1M", [1_000_000]), ("20M,1k", [20_000_000, 1_000]), ("1.5M", [1_500_000]), ("2.5k", [2_500]),
+    ("1e6,2e7", [1_000_000, 20_000_000]), ("1000000", [1_000_000]), ("1_000", [1_000]), ("1G", [10**9]),
+    (" 4m , 16K", [4_000_000, 16_000]),
+])
+def test_sizes_take_suffixes(text, sizes):
+    assert bench._sizes(text) == sizes
+
+
+def test_dtype_aliases_are_the_short_names(monkeypatch):
+    """--dtypes float16,bfloat16,float32 (torch's names, in the API and the output) are fp16,bf16,fp32."""
+    aliased = _args_of(monkeypatch, ["--dtypes", "float16,bfloat16,float32"])
+    assert aliased.dtypes == ["fp16", "bf16", "fp32"] == _args_of(monkeypatch, ["--dtypes", "fp16,bf16,fp32"]).dtypes
+    assert _args_of(monkeypatch, ["--dtypes", "BFloat16"]).dtypes == ["bf16"]
+
+
+def test_block_is_the_encodings_block():
+    from halfadam.encodings import BLOCK
+
+    assert bench.BLOCK == BLOCK
+
+
+def test_tables_fit_100_characters(capsys, monkeypatch):
+    """Every line a table run prints fits 100 characters: the legend, the case heading and every row, tiny
+    included, every dtype, and a failed row whose message is long (cut with "...")."""
+    import torch
+
+    long = "x" * 300
+    time_step = bench._time_step
+
+    def timed(opt, device):
+        if type(opt) is torch.optim.AdamW and not opt.defaults.get("fused") and not opt.defaults.get("foreach"):
+            raise RuntimeError(long)
+        return time_step(opt, device)
+
+    monkeypatch.setattr(bench, "_time_step", timed)
+    argv = ["--sizes", "2560", "--tensors", "2", "--impls", "reference,foreach", "--dtypes", "float16,bfloat16,fp32",
+            "--warmup", "0", "--repeat", "1"]
+    assert bench.main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    rows = [line.split() for line in lines]
+    assert sum(r[:4] == ["halfadam", "foreach", "bf16", "tiny"] for r in rows) == 1
+    assert sum(r[:2] == ["halfadam", "reference"] for r in rows) == 3 * 5  # 3 dtypes x 5 state modes
+    failed = [line for line in lines if "failed: RuntimeError: xxx" in line]
+    assert len(failed) == 1 and failed[0].endswith("...") and len(failed[0]) == 100
+    assert lines[0].startswith("ms/step: ") and "2560/2: 2,560 parameters in 2 tensors, cpu, " in "\n".join(lines)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfadam.cli import build_parser, main
+from halfadam.cli import COMMANDS, build_parser, main
 from halfadam.cli.modes import MODES, parse_modes
 import halfadam.cli.train as T
 from halfadam.cli.train import optimizer_state_bytes
@@ -532,7 +532,8 @@ def test_save_failure_is_one_line_exit_2(text_file, tmp_path):
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"halfadam train: error: --save {ck}: cannot write the checkpoint "
                                   f"{ck / 'bf16-halfadam.pt'}: File too large"), proc.stderr
-    assert list(ck.iterdir()) == []  # no temporary file left
+    # no temporary file left, and the directories the run created, left empty, are removed (issue 37)
+    assert not ck.exists() and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["bench", "--help"]])
@@ -593,3 +594,141 @@ def test_readme_digits_figures(tmp_path, capsys):
         # a draw moves the validation loss by about 1% (docs/research/compact-state)
         tolerance = 1.5 if name.endswith(("-compact", "-tiny")) else 0.3
         assert abs(float(row[3].rstrip("%")) - m["val_loss_vs_fp32_percent"]) <= tolerance, name
+
+
+# -- issue 37, item 7: the names a user has seen, --help without torch, no bar redraws off a terminal, no
+# -- empty folder after a failed run, the kernel's build message on its own line
+
+@pytest.mark.parametrize(("alias", "canonical"), [
+    ("tiny", "bf16-halfadam-tiny"), ("compact", "bf16-halfadam-compact"), ("Tiny", "bf16-halfadam-tiny"),
+    ("halfadam-tiny", "bf16-halfadam-tiny"), ("bfloat16-halfadam", "bf16-halfadam"),
+    ("float16-halfadam", "fp16-halfadam"), ("float32", "fp32"), ("bfloat16-naive", "bf16-naive"),
+    ("tiny,compact,bf16-halfadam-tiny", "bf16-halfadam-tiny,bf16-halfadam-compact"),
+])
+def test_mode_aliases_are_the_canonical_modes(alias, canonical):
+    assert parse_modes(alias) == parse_modes(canonical)
+    assert build_parser().parse_args(["train", "--modes", alias]).modes == parse_modes(canonical)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("naive", "mode 'naive' is ambiguous: it stands for fp16-naive, bf16-naive (give one of them)"),
+    ("halfadam", "mode 'halfadam' is ambiguous: it stands for fp16-halfadam, bf16-halfadam, bf16-halfadam-compact, "
+                 "bf16-halfadam-tiny"),
+    ("split", "short names: compact = bf16-halfadam-compact, tiny = bf16-halfadam-tiny); no halfadam train mode "
+              "keeps state_mode='split' (halfadam bench --state-modes split times it)"),
+    ("fp64", "unknown mode 'fp64' (choose from fp32, fp16-naive,"),
+])
+def test_ambiguous_or_unknown_modes_say_which_names_mean_what(name, expected, capsys, tmp_path):
+    assert main(["train", "--modes", name, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([name, "--help"] for name in COMMANDS)])
+def test_help_does_not_import_torch(argv):
+    """--help answers at once: neither ``import halfadam.cli`` nor any command's help imports torch (2-3 s)."""
+    code = ("import sys; from halfadam.cli import main; status = main(sys.argv[1:]); "
+            "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'numpy', 'tqdm'))); "
+            "print('HEAVY', heavy); raise SystemExit(status)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: halfadam" in proc.stdout and proc.stdout.splitlines()[-1] == "HEAVY []", proc.stdout[-500:]
+
+
+def test_the_package_still_offers_its_names():
+    """halfadam's names are imported on first use (so that --help needs no torch) and are the same objects."""
+    import halfadam
+    from halfadam.optimizer import AdamW
+
+    assert halfadam.AdamW is AdamW and "AdamW" in dir(halfadam)
+    assert halfadam.checkpoint.__name__ == "halfadam.checkpoint"
+    assert halfadam.encodings.BLOCK == 128  # a submodule, as when the package imported them all
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        halfadam.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_failed_run_leaves_no_empty_folder(text_file, tmp_path, capsys, nested):
+    """A missing --text fails before anything is created; a text too short fails after the folders were made,
+    and they go again (the parents the run created too); a folder that was there before stays."""
+    out = tmp_path / "a" / "b" / "run" if nested else tmp_path / "run"
+    save = tmp_path / "ck"
+    assert main(["train", "--text", str(tmp_path / "missing.txt"), "--out", str(out), "--save", str(save)]) == 2
+    assert "text file not found" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n")
+    assert main(["train", "--text", str(short), "--out", str(out), "--save", str(save), "--no-progress"]) == 2
+    assert "too short" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+    out.mkdir(parents=True)
+    assert main(["train", "--text", str(short), "--out", str(out), "--no-progress"]) == 2
+    assert out.is_dir()  # there before the run: kept
+
+
+def _tiny_train(text_file, tmp_path, *extra):
+    return main(["train", "--text", str(text_file), "--out", str(tmp_path / "out"), "--modes", "fp32",
+                 *[a for a in TINY if a != "--no-progress"], *extra])
+
+
+def test_no_bar_redraws_when_stderr_is_not_a_terminal(text_file, tmp_path, capsys):
+    """stderr captured (not a tty): no progress bar, no '\\r' redraws; one summary line per mode instead."""
+    assert _tiny_train(text_file, tmp_path) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "step/s" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].lstrip().startswith("fp32: 6 steps in ") and ", val " in lines[0], lines
+
+
+class _Terminal:
+    """A text stream that says it is a terminal, collecting what is written."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_the_bar(text_file, tmp_path, monkeypatch):
+    """The same run on a terminal draws the bar (so the test above can tell the two apart)."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert _tiny_train(text_file, tmp_path) == 0
+    assert "\r" in terminal.text and "6/6" in terminal.text and "fp32: 6 steps in" not in terminal.text
+
+
+def test_a_log_line_during_the_bar_is_a_line_of_its_own(monkeypatch):
+    """A ``halfadam`` warning while a bar is drawn (the C++ kernel's build message) is written on a line of its
+    own, not after the bar's text, as Python's last-resort handler would."""
+    import logging
+
+    from tqdm import tqdm
+
+    from halfadam.cli.loop import _log_above
+
+    logger = logging.getLogger("halfadam")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logging.root, "handlers", [])  # as outside pytest: nothing configured
+    message = "halfadam: compiling the C++ CPU kernel (a minute or two)"
+    for redirect, own_line in ((True, True), (False, False)):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        monkeypatch.setattr(logging, "lastResort", logging._StderrHandler(logging.WARNING))
+        bar = tqdm(range(3), desc="bf16-halfadam", file=terminal, disable=None)
+        with _log_above(bar) if redirect else __import__("contextlib").nullcontext():
+            for _ in bar:
+                logger.warning(message)
+                break
+        bar.close()
+        pieces = terminal.text.replace("\r", "\n").split("\n")
+        assert (message in pieces) == own_line, terminal.text
+        assert any(message in piece for piece in pieces)

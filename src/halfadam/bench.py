@@ -39,22 +39,33 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from halfadam.cli.args import nonnegative_int, positive_int, resolve_device
 from halfadam.cli.errors import CLIError
+from halfadam.cli.modes import DTYPE_ALIASES, STATE_MODES
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
-from halfadam.encodings import BLOCK, PRESETS
+
+if TYPE_CHECKING:
+    import torch
 
 #: One-line summary (the ``halfadam.cli`` command protocol).
 HELP = "time one optimizer step of each halfadam implementation against torch.optim.AdamW"
 
 BYTES_PER_PARAM = 28
-IMPLS = ("reference", "foreach", "fused", "cpp", "triton")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-STATE_MODES = tuple(PRESETS)
+IMPLS = ("reference", "foreach", "fused", "cpp", "triton", "auto")
+#: ``--dtypes`` names -> torch's (``--dtypes`` also takes torch's names: float16, bfloat16, float32).
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+#: Elements per quantization block (:data:`halfadam.encodings.BLOCK`; tests/test_bench.py checks), without torch.
+BLOCK = 128
+#: What a run without options times (5 s and 0.9 GB on 2 cores, 2026-12-06): every state mode in the
+#: implementation a user gets (``auto``) on one 4M-parameter case of bfloat16 parameters, against torch's AdamW.
+#: (``foreach`` is left out: in the 8-bit modes its eager step takes half a second at this size.)
+QUICK = dict(sizes=[4_000_000], tensors=16, small=False, dtypes=["bf16"], impls=["auto"],
+             state_modes=list(STATE_MODES), warmup=2, repeat=7)
+#: ``--full``: the sweep that was the default until 2026-12 (about 4 min and 9 GB on 2 cores).
+FULL = dict(sizes=[1_000_000, 20_000_000], tensors=50, small=True, dtypes=list(DTYPES), impls=list(IMPLS[:5]),
+            state_modes=["fp32", "compact"], warmup=2, repeat=7)
 #: 2,000 tensors of 10 elements: next to no arithmetic, so its time is the per-step overhead (Python,
 #: validation, kernel entry); printed after the tables as microseconds per step and per tensor.
 OVERHEAD_CASE = "overhead 20000/2000"
@@ -95,7 +106,7 @@ def _cases(args) -> List[Dict[str, Any]]:
     cases = [_case(name, matrix_shapes(numel, tensors), numel) for name, numel, tensors in sized]
     if getattr(args, "gpt", False):
         cases.append(_case(f"gpt-1.3B/{len(gpt_shapes())}", gpt_shapes(), on_device=True))
-    if not args.no_small:
+    if args.small:
         cases += [_case(name, matrix_shapes(numel, tensors), numel)
                   for name, numel, tensors in (("many-small 2M/2000", 2_000_000, 2000), (OVERHEAD_CASE, 20_000, 2000))]
     return cases
@@ -121,6 +132,8 @@ def _fmt(n: int) -> str:
 def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: int) -> List[torch.Tensor]:
     """The case's parameters (``case["shapes"]``: :func:`matrix_shapes`, or a model's) with gradients;
     values drawn on the CPU, or on the device for a model's (a 1.3B GPT)."""
+    import torch
+
     on = dict(device=device) if case.get("on_device") else {}
     g = torch.Generator(**on).manual_seed(seed)
     params = []
@@ -156,6 +169,8 @@ def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 
@@ -194,6 +209,11 @@ def measure(args) -> List[Dict[str, Any]]:
                                  "under TRITON_INTERPRET=1, far too slow to time)")):
         if impl in args.impls and on_cpu != (impl == "cpp"):
             print(f"halfadam bench: {impl} skipped on {args.device}: {why}", file=sys.stderr)
+    if "auto" in args.impls:
+        runs = "cpp where the C++ kernel builds, else fused" if on_cpu else "triton where triton imports, else fused"
+        print(f"halfadam bench: auto is implementation='auto': on {args.device}, {runs}", file=sys.stderr)
+    if not args.json:
+        print(LEGEND + "\n", flush=True)
     rows = []
     for case in _cases(args):
         note = _describe_case(case)
@@ -217,6 +237,8 @@ def _configs(case: Dict[str, Any], args, peers: list) -> List[list]:
     """The case's configurations, each ``[label dict, optimizer or None, failure or None]``: torch's AdamW
     variants, halfadam's per dtype, implementation and state mode, and the ``peers``; a configuration whose
     parameters or optimizer cannot be built is there with its failure (:func:`_failure`)."""
+    import torch
+
     import halfadam
 
     on_cpu = args.device == "cpu"
@@ -239,11 +261,11 @@ def _configs(case: Dict[str, Any], args, peers: list) -> List[list]:
             for mode in args.state_modes:
                 if impl in ("cpp", "triton") and on_cpu != (impl == "cpp"):
                     continue  # said once, in measure()
-                add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), DTYPES[dname],
+                add(dict(impl=f"halfadam {impl}", dtype=dname, state=mode), getattr(torch, DTYPES[dname]),
                     lambda params, impl=impl, mode=mode: halfadam.AdamW(
                         params, lr=1e-3, weight_decay=0.01, implementation=impl, state_mode=mode))
     for peer in peers:
-        dname = next(k for k, v in DTYPES.items() if v == peer.param_dtype)
+        dname = next(k for k, v in DTYPES.items() if v == peer.dtype)
         add(dict(impl=peer.label, dtype=dname), peer.param_dtype,
             lambda params, peer=peer: peer.build(params, lr=1e-3, weight_decay=0.01))
     return configs
@@ -275,6 +297,8 @@ def _case_rows(case: Dict[str, Any], configs: List[list], times: Dict[int, List[
                args) -> Tuple[List[Dict[str, Any]], Optional[float]]:
     """One row per configuration of ``case`` (its median step time and what follows from it, or its failure),
     and the median seconds of ``torch.optim.AdamW(fused=True)`` on fp32 (``None`` if it failed)."""
+    import torch
+
     rows, torch_fused = [], None
     for i, (label, opt, failed) in enumerate(configs):
         row = dict(case=case["name"], numel=case["numel"], tensors=case["tensors"], device=args.device,
@@ -323,78 +347,147 @@ def _overhead(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fixed(value: Optional[float], digits: int = 2) -> str:
+    """``value`` with ``digits`` decimals below 100, none from 100 on (short columns); ``""`` for ``None``."""
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if abs(value) < 100 else f"{value:.0f}"
+
+
+#: The figures' columns of a table: header and the row's figure as text ("" where it has none).
+_COLUMNS = [
+    ("ms/step", lambda r: _fixed(r["ms"])),
+    ("GB/s", lambda r: f"{r['gb_per_s']:.1f}"),
+    ("x fused", lambda r: _fixed(r.get("vs_torch_fused"))),
+    ("x ref", lambda r: _fixed(r.get("speedup_vs_reference"), 1)),
+    ("x fp32", lambda r: _fixed(r.get("vs_fp32_state"))),
+    ("B/param", lambda r: f"{r['state_bytes_per_param']:.2f}"),
+    ("1st s", lambda r: _fixed(r["first_step_s"])),
+    ("opt MB", lambda r: f"{r['memory_mb']:.0f}"),
+]
+
+#: The columns, one line each, printed once before the first table (each line under 100 characters).
+LEGEND = """\
+ms/step: median step time; GB/s: at the 28 bytes per parameter an AdamW step moves
+x fused: time over torch.optim.AdamW(fused=True) on fp32 parameters (lower is faster)
+x ref: halfadam reference's time over this row's (same dtype and state)
+x fp32: this row's time over the fp32 state's (same implementation and dtype)
+B/param: state bytes per parameter; 1st s: the first step (allocation, compilation)
+opt MB: the optimizer's state and scratch buffers"""
+
+#: The widest a table's line may be (a failed row's message is cut to fit).
+WIDTH = 100
+
+
+def _case_heading(rows: List[Dict[str, Any]]) -> str:
+    """The line above a case's table: its name, parameters, tensors, device and threads."""
+    r = rows[0]
+    return (f"{r['case']}: {r['numel']:,} parameters in {r['tensors']:,} tensors, {r['device']}, "
+            f"{r['threads']} thread{'s' * (r['threads'] != 1)}")
+
+
 def _table(rows: List[Dict[str, Any]]) -> str:
-    """The rows of one case as a text table; a failed row shows ``failed: ...`` after its labels."""
-    head = ["case", "implementation", "dtype", "state", "ms/step", "ns/param", "GB/s", "x torch fused",
-            "x faster than ref", "x fp32 state", "state B/param", "1st step s", "opt MB"]
+    """The rows of one case as a text table under its heading, at most :data:`WIDTH` characters wide; a column
+    no row has a figure for is left out, and a failed row shows ``failed: ...`` after its labels."""
+    timed = [r for r in rows if "failed" not in r]
+    columns = [(head, figure) for head, figure in _COLUMNS if any(figure(r) for r in timed)]
+    head = ["implementation", "dtype", "state"] + [h for h, _ in columns]
     lines = [head]
     for r in rows:
-        labels = [r["case"], r["impl"], r["dtype"], r.get("state", "-")]
-        if "failed" in r:
-            lines.append(labels + [f"failed: {r['failed']}"])  # runs across the figures' columns
-            continue
-        sp, fs, vs = r.get("speedup_vs_reference"), r.get("vs_fp32_state"), r.get("vs_torch_fused")
-        lines.append(labels + [f"{r['ms']:.2f}", f"{r['ns_per_param']:.3f}", f"{r['gb_per_s']:.1f}",
-                               "" if vs is None else f"{vs:.2f}", "" if sp is None else f"{sp:.1f}",
-                               "" if fs is None else f"{fs:.2f}", f"{r['state_bytes_per_param']:.2f}",
-                               f"{r['first_step_s']:.2f}", f"{r['memory_mb']:.0f}"])
-    widths = [max(len(str(l[i])) for l in lines if len(l) == len(head) or i < 4) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip() for l in lines) + "\n"
+        labels = [r["impl"], r["dtype"], r.get("state", "-")]
+        lines.append(labels + ([f"failed: {r['failed']}"] if "failed" in r else [f(r) for _, f in columns]))
+    widths = [max(len(line[i]) for line in lines if len(line) == len(head) or i < 3) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    text = [line if len(line) <= WIDTH else line[: WIDTH - 3] + "..." for line in text]
+    return "\n".join([_case_heading(rows), *text]) + "\n"
+
+
+#: ``--sizes`` suffixes: ``1k``, ``1.5M``, ``1G`` (or ``1B``, a billion).
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def _size(part: str) -> float:
+    """One ``--sizes`` count: an integer, a number Python reads (``1e6``) or one with a suffix of
+    :data:`_SUFFIXES` (``1M``, ``1.5M``, ``20k``); NaN when it is none of these."""
+    part = part.strip().replace("_", "")
+    scale = _SUFFIXES.get(part[-1:].lower()) if part[:-1] else None
+    try:
+        return int(part) if scale is None and part.isdigit() else float(part[:-1] if scale else part) * (scale or 1)
+    except ValueError:
+        return math.nan
 
 
 def _sizes(text: str) -> List[int]:
-    """``--sizes``: comma-separated positive integer parameter counts, in any notation Python reads (``1e6``)."""
+    """``--sizes``: comma-separated positive integer parameter counts: ``1000000``, ``1e6``, ``1M``, ``1.5M``,
+    ``20k``."""
     sizes = []
     for part in text.split(","):
-        try:
-            value = int(part)
-        except ValueError:
-            try:
-                value = float(part)
-            except ValueError:
-                value = math.nan
-        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        value = _size(part)
+        if not (math.isfinite(value) and value >= 1 and value == round(value)):
             where = f" in {text!r}" if "," in text else ""
-            raise argparse.ArgumentTypeError(f"expected positive integer parameter counts like 1e6,2e7, got "
+            raise argparse.ArgumentTypeError(f"expected positive integer parameter counts like 1M,20M or 1e6,2e7, got "
                                              f"{part.strip()!r}{where}")
-        sizes.append(int(value))
+        sizes.append(int(round(value)))
     return sizes
 
 
 def _names(text: str) -> List[str]:
-    """A comma-separated list (``--dtypes``, ``--impls``, ``--state-modes``; :func:`run` checks each name)."""
+    """A comma-separated list (``--impls``, ``--state-modes``; :func:`run` checks each name)."""
     return [name.strip() for name in text.split(",")]
+
+
+def _dtype_names(text: str) -> List[str]:
+    """``--dtypes``: :func:`_names`, torch's names (float16, bfloat16, float32) as the short ones."""
+    return [DTYPE_ALIASES.get(name.lower(), name.lower()) for name in _names(text)]
+
+
+def _default(key: str) -> str:
+    """``(default X; --full: Y)`` for an option of :data:`QUICK` and :data:`FULL`."""
+    def show(value):
+        return ",".join(_fmt(v) if isinstance(v, int) else str(v) for v in value) if isinstance(value, list) else value
+    return f"(default {show(QUICK[key])}; --full: {show(FULL[key])})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register ``halfadam bench``'s options on ``parser`` (returned)."""
+    parser.description = (
+        f"{HELP}. Without options (5 s, up to 50 s when the cores are busy, and 0.9 GB on 2 cores): every "
+        f"state mode ({','.join(STATE_MODES)}) in the implementation halfadam picks (auto) on one 4M-parameter case in "
+        f"bfloat16, against torch's AdamW; --full for the full sweep. Options given replace the defaults, also "
+        f"under --full.")
+    parser.add_argument("--full", action="store_true",
+                        help="the full sweep: 1M and 20M parameters in 50 tensors, the many-small and overhead cases, "
+                             "every dtype and implementation, state modes fp32,compact (about 4 min and 9 GB on 2 "
+                             "cores)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-    parser.add_argument("--sizes", type=_sizes, default=[1_000_000, 20_000_000],
-                        help="comma-separated parameter counts (default 1e6,2e7), split into --tensors tensors")
-    parser.add_argument("--tensors", type=positive_int, default=50, help="tensors per size case (default 50)")
+    parser.add_argument("--sizes", type=_sizes,
+                        help=f"comma-separated parameter counts such as 1M,20M, 1.5M, 20k or 1e6, each split into "
+                             f"--tensors tensors {_default('sizes')}")
+    parser.add_argument("--tensors", type=positive_int, help=f"tensors per size case {_default('tensors')}")
     parser.add_argument("--large", action="store_true", help="also 100M parameters (needs ~10 GB)")
     parser.add_argument("--gpt", action="store_true",
                         help="also the parameter list of a 1.3B-parameter GPT (292 tensors of its real shapes; "
                              "about 20 GB per configuration: choose few --impls/--state-modes)")
     parser.add_argument("--no-small", action="store_true",
-                        help="skip the many-small-tensors case (2000 tensors, 2M) and the overhead case (2000 tensors "
-                             "of 10 elements)")
-    parser.add_argument("--dtypes", type=_names, default=list(DTYPES), help="fp16,bf16,fp32 (default all)")
-    parser.add_argument("--impls", type=_names, default=list(IMPLS),
-                        help="reference,foreach,fused,cpp,triton (default all). reference: one update per tensor; foreach: "
+                        help="with --full, skip its many-small-tensors case (2000 tensors, 2M) and its overhead case "
+                             "(2000 tensors of 10 elements)")
+    parser.add_argument("--dtypes", type=_dtype_names,
+                        help=f"fp16,bf16,fp32 (or float16,bfloat16,float32) {_default('dtypes')}")
+    parser.add_argument("--impls", type=_names,
+                        help=f"{','.join(IMPLS)} {_default('impls')}. reference: one update per tensor; foreach: "
                              "eager ops over flat buffers; fused: torch.compile (Inductor C++ on CPU, Triton on CUDA); "
                              "cpp: the hand-written C++ CPU kernel (CPU only, every state mode; skipped elsewhere); "
                              "triton: the hand-written Triton kernel, one launch per bucket (CUDA only here; the test "
-                             "suite runs it on the CPU under TRITON_INTERPRET=1). implementation='auto' runs cpp on the "
-                             "CPU where it builds, triton on CUDA where triton imports, else fused")
+                             "suite runs it on the CPU under TRITON_INTERPRET=1); auto: what implementation='auto' "
+                             "runs, cpp on the CPU where it builds (the first run on a machine compiles it, a minute "
+                             "or two, once), triton on CUDA where triton imports, else fused")
     parser.add_argument("--state-modes", type=lambda s: list(STATE_MODES) if s == "all" else _names(s),
-                        default=["fp32", "compact"],
-                        help="halfadam state modes to time (state_mode=...): fp32,split,bf16,compact,tiny or all "
-                             "(default fp32,compact); 'x fp32 state' is each row's time over the fp32-state one")
-    parser.add_argument("--warmup", type=nonnegative_int, default=2,
-                        help="untimed rounds (default 2; the first compiles)")
-    parser.add_argument("--repeat", type=positive_int, default=7,
-                        help="timed rounds (default 7); the median is reported")
+                        help=f"halfadam state modes to time (state_mode=...): {','.join(STATE_MODES)} or all "
+                             f"{_default('state_modes')}; 'x fp32' is each row's time over the fp32-state one")
+    parser.add_argument("--warmup", type=nonnegative_int,
+                        help=f"untimed rounds; the first compiles {_default('warmup')}")
+    parser.add_argument("--repeat", type=positive_int,
+                        help=f"timed rounds; the median is reported {_default('repeat')}")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch.set_num_threads for the run (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of tables")
@@ -402,6 +495,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="also time the optimizers a user would pick instead of halfadam, each only if its "
                              "package is installed: " + ", ".join(f"{p.source} ({p.package})" for p in PEERS.values()))
     return parser
+
+
+def _fill_defaults(args) -> None:
+    """Set the options left out to :data:`QUICK`'s values, or :data:`FULL`'s under ``--full``."""
+    chosen = FULL if getattr(args, "full", False) else QUICK
+    for key, value in chosen.items():
+        if key == "small":
+            args.small = value and not getattr(args, "no_small", False)
+        elif getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -420,6 +523,9 @@ def run(args) -> int:
     Raises :class:`~halfadam.cli.CLIError` (one line, exit status 2 under :func:`halfadam.cli.main`)
     for options argparse cannot check, before anything is timed.
     """
+    import torch
+
+    _fill_defaults(args)
     args.device = str(resolve_device(args.device))
     for option, what, names, known in (("--dtypes", "dtype", args.dtypes, DTYPES),
                                        ("--impls", "implementation", args.impls, IMPLS),

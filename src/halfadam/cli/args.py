@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import CLIError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["nonnegative_float", "nonnegative_int", "positive_float", "positive_int", "resolve_device"]
 
@@ -64,6 +66,8 @@ def nonnegative_float(text: str) -> float:
 def resolve_device(name: str) -> torch.device:
     """The device ``--device name`` names: ``auto`` is CUDA where available, else the CPU; CLIError for
     an unknown device or one this machine does not have."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -4,6 +4,8 @@
 what argparse cannot check checked); :func:`build_task` loads its data and builds its float32 model;
 :func:`_lr_schedule` is its learning rate per step (the training loop and ``--resume``'s checks both
 use it).
+
+torch, the data and the models are imported where they are used (``halfadam train --help`` loads none).
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import data as data_mod
 from .args import resolve_device
 from .errors import CLIError
-from .models import CharGPT, DigitsMLP
 from .modes import PEER_MODES
+
+if TYPE_CHECKING:
+    import torch
 
 TASKS = ("char-lm", "digits")
 
@@ -68,6 +70,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         raise CLIError(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.text is not None and args.task != "char-lm":
         raise CLIError("--text only applies to --task char-lm")
+    if args.text is not None:
+        from .data import read_text_file
+
+        read_text_file(args.text, max_chars=1)  # a missing or unreadable file fails before anything is created
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     if args.lr_schedule == "cosine" and warmup >= steps:
         raise CLIError(f"--warmup-steps {warmup} must be smaller than --steps {steps}")
@@ -120,7 +126,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
 
 def _torchrun_world() -> int:
     """The number of processes of the ``torch.distributed`` job this process is part of (1 if none)."""
-    dist = torch.distributed
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     try:
@@ -144,6 +151,11 @@ def build_task(cfg: TrainConfig) -> tuple[object, torch.nn.Module, str, str]:
     Returns ``(dataset, model, data description, model description)``. The model is built once; every
     mode trains a copy of it cast to the mode's dtype, so all modes start from the same weights.
     """
+    import torch
+
+    from . import data as data_mod
+    from .models import CharGPT, DigitsMLP
+
     if cfg.task == "char-lm":
         dataset = data_mod.load_char_corpus(cfg.text, cfg.seq_len)
         torch.manual_seed(cfg.seed)

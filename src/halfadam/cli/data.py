@@ -17,7 +17,7 @@ import torch
 
 from .errors import CLIError
 
-__all__ = ["CharCorpus", "DigitsData", "load_char_corpus", "load_digits_data", "stdlib_sources"]
+__all__ = ["CharCorpus", "DigitsData", "load_char_corpus", "load_digits_data", "read_text_file", "stdlib_sources"]
 
 #: Directories skipped when collecting standard-library sources: installed packages and test suites.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
@@ -123,6 +123,21 @@ def _split(text: str, min_chunk: int) -> tuple[str, str]:
     return train, val
 
 
+def read_text_file(text_path: str, max_chars: int = 2_000_000) -> str:
+    """The first ``max_chars`` characters of the ``--text`` file (undecodable bytes replaced); CLIError when
+    it is missing, not a file or unreadable. ``halfadam train`` also calls it before it creates anything."""
+    path = Path(text_path)
+    if not path.exists():
+        raise CLIError(f"text file not found: {text_path}")
+    if not path.is_file():
+        raise CLIError(f"--text {text_path} is not a file")
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return f.read(max_chars)  # the first max_chars characters are plenty
+    except OSError as exc:
+        raise CLIError(f"cannot read text file {text_path}: {exc.strerror or exc}") from None
+
+
 def load_char_corpus(
     text_path: str | None,
     seq_len: int,
@@ -150,15 +165,7 @@ def load_char_corpus(
         }
     else:
         path = Path(text_path)
-        if not path.exists():
-            raise CLIError(f"text file not found: {text_path}")
-        if not path.is_file():
-            raise CLIError(f"--text {text_path} is not a file")
-        try:
-            with path.open(encoding="utf-8", errors="replace") as f:
-                text = f.read(max_chars)  # the first max_chars characters are plenty
-        except OSError as exc:
-            raise CLIError(f"cannot read text file {text_path}: {exc.strerror or exc}") from None
+        text = read_text_file(text_path, max_chars)
         source = str(path)
         info = {"source": "file", "path": str(path.resolve())}
 

@@ -9,8 +9,11 @@ replicated by ``DistributedDataParallel`` or sharded by FSDP2 (:func:`_fully_sha
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -125,6 +128,35 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if is_dtensor(t) else t).detach().float().cpu()
 
 
+class _TqdmHandler(logging.Handler):
+    """A logging handler writing each record on a line of its own above the progress bar (``tqdm.write``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging's own convention
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _log_above(bar):
+    """While ``bar`` is shown, the ``halfadam`` logger's lines (a C++ kernel rebuild, say) go on lines of their
+    own above it, not after its text, where logging is not configured (no handler would take them: Python's
+    last-resort handler would write them after the bar's text)."""
+    logger = logging.getLogger("halfadam")
+    if bar.disable or logger.hasHandlers():
+        yield
+        return
+    handler = _TqdmHandler(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 @dataclass
 class _Curves:
     """What one mode's run records: the train loss per step, the validation losses and the steps they follow,
@@ -192,14 +224,31 @@ class _ModeRun:
         if self.world > 1 and not self.sharded:
             net = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=True)
             net.register_comm_hook(None, _allreduce_sum_hook)  # with the loss divided by world: see _update
+        # disable=None: no bar where stderr is not a terminal (a log file gets one summary line instead)
         bar = tqdm(range(first_step, cfg.steps), initial=first_step, total=cfg.steps, desc=f"{self.mode.name:>13}",
-                   unit="step", disable=not cfg.progress or self.rank != 0, dynamic_ncols=True, leave=True)
-        for step in bar:
-            if not self._step(net, plan, step, bar):
-                break
+                   unit="step", disable=True if not cfg.progress or self.rank != 0 else None, dynamic_ncols=True,
+                   leave=True)
+        started, drawn = time.perf_counter(), not bar.disable  # (close() sets disable)
+        with _log_above(bar):
+            for step in bar:
+                if not self._step(net, plan, step, bar):
+                    break
         bar.close()
+        if not drawn and cfg.progress and self.rank == 0:
+            self._summary_line(first_step, time.perf_counter() - started)
         del net  # DDP sits in reference cycles; the next mode builds its own
         self._finish(first_step)
+
+    def _summary_line(self, first_step: int, seconds: float) -> None:
+        """The line on stderr that stands for the progress bar where stderr is not a terminal."""
+        curves = self.curves
+        taken = len(curves.train_loss) - first_step
+        loss = f", loss {curves.train_loss[-1]:.3f}" if taken > 0 else ""
+        val = f", val {curves.val_loss[-1]:.3f}" if curves.val_loss else ""
+        if curves.diverged_at is not None and taken > 0:
+            loss, val = f", stopped: loss {curves.train_loss[-1]}", ""
+        print(f"{self.mode.name:>13}: {taken} step{'s' * (taken != 1)} in {seconds:.1f} s{loss}{val}",
+              file=sys.stderr, flush=True)
 
     def _start(self) -> int:
         """The first step to take: where the mode's ``--resume`` checkpoint left off (its curves restored), or 0

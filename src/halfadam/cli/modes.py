@@ -1,20 +1,23 @@
 """The precision modes that ``halfadam train`` compares, and how each builds its optimizer and scaler.
 
 Besides :data:`MODES` (the default), ``--modes`` accepts the name of every peer of
-:mod:`halfadam.cli.peers` whose package is installed (``--peers`` adds them all).
+:mod:`halfadam.cli.peers` whose package is installed (``--peers`` adds them all), and names that stand
+for exactly one mode (:func:`resolve_mode_name`: ``tiny``, ``compact``, ``bfloat16-halfadam``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 import halfadam
 
 from .peers import PEERS, Peer, installed
 
-__all__ = ["MODES", "Mode", "get_mode", "parse_modes"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPE_ALIASES", "MODES", "Mode", "STATE_MODES", "get_mode", "parse_modes", "resolve_mode_name"]
 
 
 @dataclass(frozen=True)
@@ -22,12 +25,21 @@ class Mode:
     """One way to train: the parameter dtype, which AdamW, and whether a loss scaler is used."""
 
     name: str
-    param_dtype: torch.dtype
+    dtype: str  # the parameters' dtype as torch names it ("bfloat16"; torch is imported on use), or a torch.dtype
     optimizer: str  # "torch" (torch.optim.AdamW), "halfadam" (halfadam.AdamW) or "peer" (``peer``'s)
     loss_scaler: str | None  # None or "halfadam" (halfadam.GradScaler)
     description: str
     state_mode: str = "fp32"  # halfadam's state_mode (halfadam.encodings.PRESETS)
     peer: Peer | None = None
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (``torch.bfloat16``, ...)."""
+        if not isinstance(self.dtype, str):  # a torch.dtype itself (docs/research's modes pass one)
+            return self.dtype
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def source(self) -> str:
@@ -38,6 +50,8 @@ class Mode:
 
     def make_optimizer(self, param_groups, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """Build this mode's optimizer over ``param_groups`` (same hyperparameters for every mode)."""
+        import torch
+
         if self.peer is not None:
             return self.peer.build(param_groups, lr=lr, weight_decay=weight_decay)
         if self.optimizer == "halfadam":
@@ -52,34 +66,34 @@ class Mode:
 
 
 _MODE_LIST = [
-    Mode("fp32", torch.float32, "torch", None, "torch.optim.AdamW on float32 parameters (the reference)"),
+    Mode("fp32", "float32", "torch", None, "torch.optim.AdamW on float32 parameters (the reference)"),
     # torch.amp.GradScaler refuses float16 gradients ("Attempting to unscale FP16 gradients"), so the
     # naive float16 mode trains without loss scaling: small gradients flush to zero, as they would.
     Mode(
         "fp16-naive",
-        torch.float16,
+        "float16",
         "torch",
         None,
         "torch.optim.AdamW on float16 parameters, no loss scaling (torch.amp.GradScaler refuses float16 gradients)",
     ),
-    Mode("bf16-naive", torch.bfloat16, "torch", None, "torch.optim.AdamW on bfloat16 parameters"),
+    Mode("bf16-naive", "bfloat16", "torch", None, "torch.optim.AdamW on bfloat16 parameters"),
     Mode(
         "fp16-halfadam",
-        torch.float16,
+        "float16",
         "halfadam",
         "halfadam",
         "halfadam.AdamW (fp32 master weights) + halfadam.GradScaler on float16 parameters",
     ),
     Mode(
         "bf16-halfadam",
-        torch.bfloat16,
+        "bfloat16",
         "halfadam",
         None,
         "halfadam.AdamW (fp32 master weights) on bfloat16 parameters, no loss scaling needed",
     ),
     Mode(
         "bf16-halfadam-compact",
-        torch.bfloat16,
+        "bfloat16",
         "halfadam",
         None,
         "halfadam.AdamW(state_mode='compact') on bfloat16 parameters: split master weights (bf16 + 16 bits) and "
@@ -88,7 +102,7 @@ _MODE_LIST = [
     ),
     Mode(
         "bf16-halfadam-tiny",
-        torch.bfloat16,
+        "bfloat16",
         "halfadam",
         None,
         "halfadam.AdamW(state_mode='tiny') on bfloat16 parameters: split8 master weights (bf16 + 8 bits, "
@@ -103,7 +117,7 @@ MODES: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
 
 #: The peers as modes (never a default; see :mod:`halfadam.cli.peers`).
 PEER_MODES: dict[str, Mode] = {
-    p.name: Mode(p.name, p.param_dtype, "peer", None, p.description, peer=p)
+    p.name: Mode(p.name, p.dtype, "peer", None, p.description, peer=p)
     for p in PEERS.values() if not p.bench_only
 }
 
@@ -113,11 +127,53 @@ def get_mode(name: str) -> Mode:
     return MODES[name] if name in MODES else PEER_MODES[name]
 
 
+#: The state modes of ``halfadam.AdamW(state_mode=...)``: the names of :data:`halfadam.encodings.PRESETS`
+#: (tests/test_bench.py checks), here without importing torch.
+STATE_MODES = ("fp32", "split", "bf16", "compact", "tiny")
+
+#: Dtype names as torch spells them -> as the mode names do (``bfloat16-halfadam-tiny`` is ``bf16-halfadam-tiny``).
+DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
+
+
+def _short_names() -> str:
+    """``tiny = bf16-halfadam-tiny, ...``: the one-part names that stand for one mode of :data:`MODES`."""
+    parts = {part for name in MODES for part in name.split("-")}
+    short = {part: [n for n in MODES if part in n.split("-")] for part in sorted(parts)}
+    return ", ".join(f"{part} = {names[0]}" for part, names in short.items() if len(names) == 1 and part != names[0])
+
+
+def resolve_mode_name(name: str) -> str:
+    """The mode (or peer mode) that ``name`` stands for: its own name; that name with the dtype spelled as
+    torch does (``bfloat16-halfadam-tiny``); or parts of exactly one mode's name (``tiny``, ``compact``,
+    ``halfadam-tiny``, ``optimi``), in any case.
+
+    Raises ``ValueError`` for a name that stands for no mode, or for several (naming them).
+    """
+    known = [*MODES, *PEER_MODES]
+    if name in known:
+        return name
+    parts = [DTYPE_ALIASES.get(part, part) for part in name.lower().split("-")]
+    if "-".join(parts) in known:
+        return "-".join(parts)
+    matches = [k for k in known if set(parts) <= set(k.split("-"))]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(f"mode {name!r} is ambiguous: it stands for {', '.join(matches)} (give one of them)")
+    also = ""
+    if name.lower() in STATE_MODES:
+        also = (f"; no halfadam train mode keeps state_mode={name.lower()!r} (halfadam bench --state-modes "
+                f"{name.lower()} times it)")
+    raise ValueError(f"unknown mode {name!r} (choose from {', '.join(known)}, or all; short names: "
+                     f"{_short_names()}){also}")
+
+
 def parse_modes(text: str) -> list[Mode]:
     """Parse a comma-separated list of mode names (``all`` for every mode of :data:`MODES`); duplicates
-    are dropped. A peer's name is accepted when its package is installed.
+    are dropped. Each name is resolved by :func:`resolve_mode_name` (``tiny`` is ``bf16-halfadam-tiny``).
+    A peer's name is accepted when its package is installed.
 
-    Raises ``ValueError`` naming the unknown mode and the valid choices, or the missing package.
+    Raises ``ValueError`` naming the unknown or ambiguous mode and the valid choices, or the missing package.
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -125,12 +181,11 @@ def parse_modes(text: str) -> list[Mode]:
     if names == ["all"]:
         return list(MODES.values())
     modes: list[Mode] = []
-    for name in names:
+    for given in names:
+        name = resolve_mode_name(given)
         if name in PEER_MODES and not installed(PEER_MODES[name].peer):
             package = PEER_MODES[name].peer.package
             raise ValueError(f"mode {name} needs the package {package}, which is not installed (pip install {package})")
-        if name not in MODES and name not in PEER_MODES:
-            raise ValueError(f"unknown mode {name!r} (choose from {', '.join([*MODES, *PEER_MODES])}, or all)")
         if get_mode(name) not in modes:
             modes.append(get_mode(name))
     return modes

@@ -10,6 +10,8 @@ State bytes are counted by :func:`tensor_parts`: a tensor subclass (torchao's ``
 reports the dtype it poses as (bfloat16, so ``numel * element_size`` says 2 bytes per element), not
 what it stores (uint8 codes, float32 block scales and a float32 code table), so its inner tensors
 are counted instead.
+
+torch is imported only where a peer is built, probed or measured (``halfadam --help`` does not load it).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import importlib.util
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PEERS", "Peer", "installed", "select", "tensor_parts"]
 
@@ -36,10 +39,19 @@ class Peer:
     source: str  # the class, e.g. "optimi.AdamW(kahan_sum=True)"
     description: str  # what it is and the state it keeps
     build: Callable[..., torch.optim.Optimizer]  # build(params, *, lr, weight_decay)
-    param_dtype: torch.dtype = torch.bfloat16
+    dtype: str = "bfloat16"  # the parameters' dtype, a torch attribute name (torch is imported on use)
     probe: bool = False  # try one step on a small tensor before using it (it may not run here)
     bench_only: bool = False
     cuda_only: bool = False  # runs as itself only on CUDA tensors: skipped elsewhere, with one line
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (``torch.bfloat16`` for most)."""
+        if not isinstance(self.dtype, str):  # a torch.dtype itself (docs/research's modes pass one)
+            return self.dtype
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def label(self) -> str:
@@ -142,7 +154,7 @@ _PEER_LIST = [
     # the GPU), so it is timed on float32 parameters and gradients.
     Peer("fp32-deepspeed-cpuadam", "deepspeed", "deepspeed", "deepspeed.ops.adam.DeepSpeedCPUAdam",
          "DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) on float32 parameters: float32 moments (8 B/param)",
-         _deepspeed_cpu_adam, param_dtype=torch.float32, probe=True, bench_only=True),
+         _deepspeed_cpu_adam, dtype="float32", probe=True, bench_only=True),
     Peer("bf16-te-fusedadam", "transformer-engine", "transformer_engine",
          "transformer_engine.pytorch.optimizers.FusedAdam(master_weights=True, store_param_remainders=True)",
          "Transformer Engine's FusedAdam on bfloat16 parameters (CUDA): fp32 master as the parameter plus a "
@@ -175,6 +187,8 @@ def _import(module: str) -> None:
 
 def _probe(peer: Peer, device: torch.device | str) -> None:
     """One step on a 4096-element tensor (the smallest that bitsandbytes steps in 8 bits); raises if it fails."""
+    import torch
+
     p = torch.zeros(4096, dtype=peer.param_dtype, device=device, requires_grad=True)
     p.grad = torch.full_like(p, 1e-3)
     peer.build([p], lr=1e-3, weight_decay=0.0).step()
@@ -188,6 +202,8 @@ def select(names: list[str], *, add: bool, bench: bool = False, device: torch.de
     not (FlashOptim) or, for a probed peer, fails one step on ``device`` is left out with one line to
     ``log``. ``bench`` includes the bench-only peers.
     """
+    import torch
+
     wanted = list(names)
     if add:
         wanted += [p.name for p in _PEER_LIST if (bench or not p.bench_only) and p.name not in wanted]
@@ -233,6 +249,8 @@ def tensor_parts(value) -> list[torch.Tensor]:
     codes and fp16 scales, or float32 data) is opened through its attributes, so the bytes counted are
     the bytes it stores.
     """
+    import torch
+
     if isinstance(value, torch.Tensor):
         if not hasattr(type(value), "__tensor_flatten__"):
             return [value]

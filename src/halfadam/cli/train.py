@@ -45,28 +45,39 @@ of one mode), :mod:`.checkpointing` (``--save``/``--resume``), :mod:`.launch` (`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
-
-import halfadam
+from typing import TYPE_CHECKING
 
 from .args import nonnegative_float, nonnegative_int, positive_float, positive_int
-from .checkpointing import _check_resume, _save_mode
 from .config import TASK_DEFAULTS, TASKS, TrainConfig, build_task, resolve_config
 from .errors import CLIError
 from .launch import _launch, _write_failure
-from .loop import train_mode
 from .modes import MODES, PEER_MODES, Mode, get_mode, parse_modes
 from .peers import select as select_peers
 
-# Reached as halfadam.cli.train.<name> from before this module was split (the tests, docs/research), but not
-# used here.
-from .checkpointing import _check_resumed_options, _run_identity  # noqa: F401
-from .loop import optimizer_state_bytes  # noqa: F401
+if TYPE_CHECKING:
+    import torch
+
+#: Names this module offers from its heavy neighbours (torch and the training code), imported on first use so
+#: that ``halfadam train --help`` loads neither: name -> module. ``_run`` looks ``_save_mode`` up here, so
+#: that replacing ``halfadam.cli.train._save_mode`` takes effect; the others are reached as
+#: ``halfadam.cli.train.<name>`` from before this module was split (the tests, docs/research).
+_LAZY = {"_check_resume": ".checkpointing", "_save_mode": ".checkpointing", "_check_resumed_options": ".checkpointing",
+         "_run_identity": ".checkpointing", "train_mode": ".loop", "optimizer_state_bytes": ".loop"}
+
+
+def __getattr__(name: str):
+    """A name of :data:`_LAZY`, imported from its module on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __package__), name)
+
 
 HELP = "train one model in several precision modes and compare them with float32"
 
@@ -93,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text file for char-lm (default: the Python standard library's .py sources)")
     parser.add_argument("--modes", type=_modes, default=list(MODES.values()), metavar="LIST",
                         help=f"comma-separated modes to run (default: all = {','.join(MODES)}); also the "
-                             f"--peers names whose package is installed")
+                             f"--peers names whose package is installed. A part of one mode's name stands for it "
+                             f"(tiny, compact, halfadam-tiny), and torch's dtype names for the short ones "
+                             f"(bfloat16-halfadam)")
     parser.add_argument("--peers", action="store_true",
                         help="also train the optimizers a user would pick instead of halfadam, each only if its "
                              "package is installed (else one line says which is missing): "
@@ -128,7 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--d-model", type=positive_int, default=128, help="embedding width (default 128)")
     model.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
     model.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (drawn only where stderr is a terminal; elsewhere each mode ends "
+                             "with one summary line, which this also leaves out)")
     _add_checkpoint_arguments(parser)
     _add_distributed_arguments(parser)
 
@@ -180,17 +195,21 @@ def run(args: argparse.Namespace) -> int:
     group. Under ``torchrun`` the process group is set up here from the environment
     (:func:`halfadam.distributed.init_from_env`) and destroyed at the end.
     """
+    import torch.distributed as dist
+
     from halfadam import distributed as hd
 
     cfg, device = resolve_config(args)
     out = Path(cfg.out)
-    dist = torch.distributed
     grouped = dist.is_available() and dist.is_initialized()
     # the launching process of --nproc N (resolve_config refused --nproc under torchrun, whose processes
     # have cfg.nproc = their WORLD_SIZE and set up their group below)
     if getattr(args, "nproc", 1) > 1 and not grouped:
-        _make_dirs(cfg, out)
-        return _launch(_run_rank, args, cfg.nproc)
+        with _run_dirs(cfg, out) as created:
+            status = _launch(_run_rank, args, cfg.nproc)
+            if status:
+                _remove_empty(created)
+            return status
     rank, world = hd.init_from_env("nccl" if device.type == "cuda" else "gloo")
     owns_group = not grouped and dist.is_available() and dist.is_initialized()  # torchrun: set up just now
     try:
@@ -220,16 +239,20 @@ def _run_rank(rank: int, world: int, args: argparse.Namespace, error_dir: str) -
         raise
 
 
-def _make_dirs(cfg: TrainConfig, out: Path) -> None:
-    """Create the output directory and the ``--save`` one and check that files can be written in them.
+def _make_dirs(cfg: TrainConfig, out: Path) -> list[Path]:
+    """Create the output directory and the ``--save`` one and check that files can be written in them;
+    returns the directories created (parents first), for :func:`_remove_empty`.
 
     Done before training, so that a bad directory fails at once rather than after the run (CLIError).
     """
+    created: list[Path] = []
     for option, path in (("--out", out), ("--save", Path(cfg.save) if cfg.save else None)):
         if path is None:
             continue
+        missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
         try:
             path.mkdir(parents=True, exist_ok=True)
+            created += [p for p in missing if p not in created]
         except OSError as exc:
             raise CLIError(f"{option} {path}: cannot create the directory: {exc.strerror or exc}") from None
         try:
@@ -237,36 +260,74 @@ def _make_dirs(cfg: TrainConfig, out: Path) -> None:
                 pass
         except OSError as exc:
             raise CLIError(f"{option} {path}: cannot write files there: {exc.strerror or exc}") from None
+    return created
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories of ``created`` (parents first) that a failed run left empty, deepest first."""
+    for path in reversed(created):
+        try:
+            path.rmdir()  # only an empty directory goes
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _run_dirs(cfg: TrainConfig, out: Path, make: bool = True):
+    """Create the run's directories (:func:`_make_dirs`, where ``make``) for the body of the ``with``; a body
+    that raises leaves none of them behind empty (a bad ``--text`` file, an interrupted run)."""
+    created = _make_dirs(cfg, out) if make else []
+    try:
+        yield created
+    except BaseException:
+        _remove_empty(created)
+        raise
 
 
 def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: int) -> int:
     """The body of :func:`run` in one process (rank ``rank`` of ``world``); only rank 0 prints and writes."""
     from . import report
 
+    this = sys.modules[__name__]  # _check_resume as this module names it (see _LAZY)
     lead = rank == 0
     skipped: list[str] = []  # peers that cannot run here, one line each
     if cfg.peers or any(name in PEER_MODES for name in cfg.modes):
         cfg.modes = select_peers(cfg.modes, add=cfg.peers, device=device, log=skipped.append)
         if not cfg.modes:
             raise CLIError("no mode left to run: " + "; ".join(skipped))
-    fresh = _check_resume(cfg) if cfg.resume else []
-    if lead:
-        _make_dirs(cfg, out)
+    fresh = this._check_resume(cfg) if cfg.resume else []
+    with _run_dirs(cfg, out, make=lead):
+        dataset, base_model, data_line, model_line = build_task(cfg)
+        if lead:
+            report.print_header(cfg, device, world, data_line, model_line,
+                                sum(p.numel() for p in base_model.parameters()), skipped, fresh)
+        if device.type == "cpu" and any(get_mode(name).optimizer == "halfadam" for name in cfg.modes):
+            from halfadam.kernels import cpp
 
-    dataset, base_model, data_line, model_line = build_task(cfg)
+            cpp.load()  # a first build takes a minute or two and says so on a line of its own, before the bars
+        return _train_and_report(cfg, device, out, rank, world, dataset, base_model, model_line)
+
+
+def _train_and_report(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: int, dataset,
+                      base_model: torch.nn.Module, model_line: str) -> int:
+    """Train every mode of ``cfg`` on ``dataset`` from ``base_model``; rank 0 then prints the table and writes
+    ``metrics.json`` and ``loss.png`` to ``out``."""
+    import torch
+
+    import halfadam
+
+    from . import report
+
+    this = sys.modules[__name__]  # train_mode and _save_mode as this module names them (see _LAZY)
     n_params = sum(p.numel() for p in base_model.parameters())
     plan = dataset.sample_plan(cfg.steps, cfg.batch_size, cfg.seed)
-    if lead:
-        report.print_header(cfg, device, world, data_line, model_line, n_params, skipped, fresh)
-
     results: dict[str, dict] = {}
     weights: dict[str, tuple] = {}
     started = time.perf_counter()
     for name in cfg.modes:
-        # _save_mode as this module names it, so that replacing halfadam.cli.train._save_mode takes effect
-        results[name], weights[name] = train_mode(get_mode(name), base_model, dataset, plan, cfg, device, rank, world,
-                                                  save=_save_mode)
-    if not lead:
+        results[name], weights[name] = this.train_mode(get_mode(name), base_model, dataset, plan, cfg, device, rank,
+                                                       world, save=this._save_mode)
+    if rank != 0:
         return 0
 
     report.compare_with_fp32(results, weights)
