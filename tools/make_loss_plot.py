@@ -6,7 +6,7 @@ Usage (from the repository root):
     python tools/make_loss_plot.py --from DIR      # plots the run in DIR (its metrics.json), trains nothing
     python tools/make_loss_plot.py -- --task digits   # what follows -- goes to `halfadam train`
 
-The default run is the docs' char-lm run: 800 steps x 16 in seven modes, about 3 minutes on 2 CPU
+The default run is the docs' char-lm run: 800 steps x 16 in seven modes, 3 to 5 minutes on 2 CPU
 cores. The plot is :func:`halfadam.cli.report.plot_losses`, the same as ``halfadam train`` writes
 to ``loss.png``. The script ends with what the docs quote about the run: the date, the machine, the
 wall time and each mode's final validation loss and gap to fp32.
