@@ -166,7 +166,6 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-
 #: The loss plot: 8 x 7 inches at 200 dpi, so 1600 px wide. The docs show it at their content width (about
 #: 700-800 px), where its 11-point text is 13-15 px tall; a high-DPI screen gets the full resolution.
 PLOT_INCHES = (8.0, 7.0)
