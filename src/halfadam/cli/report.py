@@ -62,27 +62,30 @@ def compare_with_fp32(results: dict[str, dict], weights: dict[str, tuple]) -> No
             metrics["val_loss_vs_fp32_percent"] = None
 
 
-#: Line style per mode, so every plot reads the same way; fp32 is a wide grey band under the others.
+#: Line style per mode, so every plot reads the same way: colour, line style and (on the validation points)
+#: marker differ between modes; fp32 is a wide grey band under the others.
 _STYLE = {
     "fp32": dict(color="black", ls="-", lw=4.0, alpha=0.3, zorder=1),
-    "fp16-naive": dict(color="tab:red", ls="--"),
-    "bf16-naive": dict(color="tab:orange", ls="--"),
-    "fp16-halfadam": dict(color="tab:blue", ls="-"),
-    "bf16-halfadam": dict(color="tab:green", ls=":"),
-    "bf16-halfadam-compact": dict(color="tab:cyan", ls="-."),
-    "bf16-halfadam-tiny": dict(color="tab:gray", ls=(0, (3, 1, 1, 1))),
+    "fp16-naive": dict(color="tab:red", ls="--", marker="x"),
+    "bf16-naive": dict(color="tab:orange", ls="--", marker="x"),
+    "fp16-halfadam": dict(color="tab:blue", ls="-", marker="o"),
+    "bf16-halfadam": dict(color="tab:green", ls=":", marker="s"),
+    "bf16-halfadam-compact": dict(color="tab:cyan", ls="-.", marker="^"),
+    "bf16-halfadam-tiny": dict(color="tab:purple", ls=(0, (6, 1.5, 1, 1.5, 1, 1.5)), marker="D"),
     # --peers (halfadam.cli.peers)
-    "bf16-optimi-kahan": dict(color="tab:purple", ls="-."),
-    "bf16-torchao-sr": dict(color="tab:brown", ls="-."),
-    "bf16-torchao-8bit": dict(color="tab:pink", ls="-."),
-    "bf16-bnb-8bit": dict(color="tab:olive", ls="-."),
+    "bf16-optimi-kahan": dict(color="indigo", ls="-.", marker="v"),
+    "bf16-torchao-sr": dict(color="tab:brown", ls="-.", marker="v"),
+    "bf16-torchao-8bit": dict(color="tab:pink", ls="-.", marker="v"),
+    "bf16-bnb-8bit": dict(color="tab:olive", ls="-.", marker="v"),
 }
 
 
 def _style(name: str, markers: bool = False) -> dict:
-    style = {"lw": 1.4, "zorder": 2, **_STYLE.get(name, {})}
+    style = {"lw": 1.6, "zorder": 2, "marker": "o", **_STYLE.get(name, {})}
     if markers:
-        style.update(marker="o", ms=3)
+        style["ms"] = 4
+    else:
+        style.pop("marker")
     return style
 
 
@@ -163,50 +166,122 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+#: The loss plot: 8 x 7 inches at 200 dpi, so 1600 px wide. The docs show it at their content width (about
+#: 700-800 px), where its 11-point text is 13-15 px tall; a high-DPI screen gets the full resolution.
+PLOT_INCHES = (8.0, 7.0)
+PLOT_DPI = 200
+_FONTS = {"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 11, "figure.titlesize": 12}
+
+
+def _kind(name: str, m: dict) -> str:
+    """``"fp32"`` (the reference), ``"halfadam"``, ``"naive"`` (torch.optim.AdamW on half parameters) or
+    ``"peer"``: from the mode's ``optimizer`` entry, or from its name where that is missing."""
+    optimizer = m.get("optimizer") or ""
+    if name == "fp32":
+        return "fp32"
+    if optimizer == "halfadam.AdamW" or (not optimizer and "halfadam" in name):
+        return "halfadam"
+    if optimizer == "torch.optim.AdamW" or (not optimizer and "naive" in name):
+        return "naive"
+    return "peer"
+
+
+def _gaps(results: dict[str, dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per mode but fp32: its validation loss relative to fp32's, in %, at the steps where both are finite."""
+    ref = {s: v for s, v in zip(results["fp32"]["val_steps"], results["fp32"]["val_loss"]) if math.isfinite(v) and v}
+    return {name: [(s, 100 * (v - ref[s]) / ref[s]) for s, v in zip(m["val_steps"], m["val_loss"])
+                   if s in ref and math.isfinite(v)]
+            for name, m in results.items() if name != "fp32"}
+
+
+def _label(name: str, m: dict, gaps: dict) -> str:
+    """The legend's entry: the mode and how it ended (NaN after step k, or its final gap to fp32)."""
+    if m["diverged_at_step"] is not None:
+        return f"{name} (nan after step {m['diverged_at_step']})"
+    if name == "fp32" and math.isfinite(m["final_val_loss"]):
+        return f"fp32 (val loss {m['final_val_loss']:.3f})"
+    delta = m.get("val_loss_vs_fp32_percent")
+    if delta is None and gaps.get(name):
+        delta = gaps[name][-1][1]
+    return name if delta is None else f"{name} ({delta:+.2f}%)"
+
+
+def _plot_train(ax, results: dict[str, dict]) -> None:
+    """Every mode's train loss, a trailing moving average over 1/30 of the run; the y-range from the finite
+    values only, so that a diverged mode does not squash the others."""
+    finite = []
+    for name, m in results.items():
+        window = max(1, len(m["train_loss"]) // 30)
+        smooth = _smooth(m["train_loss"], window)
+        ax.plot(range(1, len(smooth) + 1), smooth, **_style(name))
+        finite += [v for v in smooth if math.isfinite(v)]
+    if finite:
+        lo, hi = min(finite), max(finite)
+        pad = 0.05 * (hi - lo or 1.0)
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set(title="train loss (moving average)", xlabel="step", ylabel="cross-entropy")
+
+
+def _plot_gaps(ax, gaps: dict, names: list[str]) -> None:
+    """The validation loss gap to fp32 of the modes ``names``, over fp32 as the line at 0."""
+    ax.axhline(0, **{**_style("fp32"), "zorder": 1})
+    for name in names:
+        if gaps[name]:
+            ax.plot(*zip(*gaps[name]), **_style(name, markers=True))
+    ax.set(xlabel="step", ylabel="% above fp32")
+
+
+def _plot_zoom(ax, results: dict[str, dict], gaps: dict, names: list[str]) -> None:
+    """The gap panel of the modes that track fp32 (``names``: halfadam's and the peers'): its y-range set by
+    halfadam's modes alone (by all of ``names`` without them), so a naive mode's percents cannot hide
+    halfadam's hundredths; a peer off that scale is clipped and named in a note."""
+    _plot_gaps(ax, gaps, names)
+    own = [n for n in names if _kind(n, results[n]) == "halfadam"] or names
+    values = [g for n in own for _, g in gaps[n]]
+    if values:
+        lo, hi = min(0.0, *values), max(0.0, *values)
+        pad = max(0.12 * (hi - lo), 0.005)
+        ax.set_ylim(lo - pad, hi + pad)
+        off = [f"{n} ({min(g for _, g in gaps[n]):+.2f}% to {max(g for _, g in gaps[n]):+.2f}%)" for n in names
+               if any(not lo - pad <= g <= hi + pad for _, g in gaps[n])]
+        if off:
+            ax.text(0.01, 0.03, "off this scale: " + ", ".join(off), transform=ax.transAxes, fontsize=10,
+                    va="bottom", bbox=dict(facecolor="white", alpha=0.8, lw=0))
+    ax.set_title("halfadam vs fp32: validation loss gap, on its own scale")
+
+
 def plot_losses(results: dict[str, dict], path: Path, title: str = "") -> Path:
-    """Plot train loss (smoothed), validation loss, and validation loss relative to fp32 per mode."""
+    """Plot every mode's train loss (moving average) and, with an fp32 mode, every mode's validation loss
+    relative to fp32's, then that gap once more for halfadam's modes (and the peers) at a scale set by
+    halfadam's modes, where hundredths of a percent show; one legend below, with each mode's final gap.
+
+    The figure is :data:`PLOT_INCHES` at :data:`PLOT_DPI` (1600 px wide), for a page about 800 px wide.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    has_ref = "fp32" in results
-    fig, axes = plt.subplots(1, 3 if has_ref else 2, figsize=(16 if has_ref else 11, 4.8))
-    ax_train, ax_val = axes[0], axes[1]
-    curves: dict = {}
-    for name, m in results.items():
-        label = name if m["diverged_at_step"] is None else f"{name} (nan after step {m['diverged_at_step']})"
-        steps = range(1, len(m["train_loss"]) + 1)
-        window = max(1, len(m["train_loss"]) // 30)
-        m_smooth = _smooth(m["train_loss"], window)
-        ax_train.plot(steps, m_smooth, label=label, **_style(name))
-        ax_val.plot(m["val_steps"], m["val_loss"], label=label, **_style(name, markers=True))
-        curves.setdefault(ax_train, []).extend(m_smooth)
-        curves.setdefault(ax_val, []).extend(m["val_loss"])
-    for ax, values in curves.items():  # a diverged mode must not squash the others
-        finite = [v for v in values if math.isfinite(v)]
-        if finite:
-            lo, hi = min(finite), max(finite)
-            pad = 0.05 * (hi - lo or 1.0)
-            ax.set_ylim(lo - pad, hi + pad)
-    ax_train.set(title="train loss (moving average)", xlabel="step", ylabel="cross-entropy")
-    ax_val.set(title="validation loss", xlabel="step", ylabel="cross-entropy")
-    if has_ref:
-        ax_rel = axes[2]
-        ref = dict(zip(results["fp32"]["val_steps"], results["fp32"]["val_loss"]))
-        for name, m in results.items():
-            pts = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in zip(m["val_steps"], m["val_loss"])
-                   if s in ref and math.isfinite(v)]
-            if pts:
-                ax_rel.plot(*zip(*pts), label=name, **_style(name, markers=True))
-        ax_rel.axhline(0, color="grey", lw=0.8)
-        ax_rel.set(title="validation loss vs fp32 (%)", xlabel="step", ylabel="% above fp32")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    ax_val.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    gaps = _gaps(results) if "fp32" in results else {}
+    zoom = [n for n in gaps if _kind(n, results[n]) in ("halfadam", "peer")]
+    layout = [["train", "all"], ["zoom", "zoom"]] if zoom else [["train", "all"]] if gaps else [["train"]]
+    height = PLOT_INCHES[1] if zoom else PLOT_INCHES[1] * 0.6
+    with plt.rc_context(_FONTS):
+        fig, axes = plt.subplot_mosaic(layout, figsize=(PLOT_INCHES[0], height), layout="constrained")
+        _plot_train(axes["train"], results)
+        if gaps:
+            _plot_gaps(axes["all"], gaps, list(gaps))
+            axes["all"].set_title("validation loss vs fp32 (%)")
+        if zoom:
+            _plot_zoom(axes["zoom"], results, gaps, zoom)
+        for ax in axes.values():
+            ax.grid(alpha=0.3)
+        handles = [Line2D([], [], **_style(name, markers=name != "fp32")) for name in results]
+        fig.legend(handles, [_label(name, m, gaps) for name, m in results.items()], loc="outside lower center",
+                   ncol=2, frameon=False, handlelength=4)
+        if title:
+            fig.suptitle(title)
+        fig.savefig(path, dpi=PLOT_DPI)
+        plt.close(fig)
     return path
