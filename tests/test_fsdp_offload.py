@@ -52,12 +52,14 @@ def make_model(dtype):
     return nn.Sequential(nn.Linear(384, 9), nn.Tanh(), nn.Linear(9, 128), nn.Tanh(), nn.Linear(128, 3)).to(dtype)
 
 
-def fsdp(model, offload):
+def fsdp(model, offload, mesh_shape=None):
+    """``model`` under FSDP2 on a 1-D mesh of every rank, or HSDP on a 2-D ``mesh_shape`` (replicas, shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if offload else {}
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = (init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape
+            else init_device_mesh("cpu", (dist.get_world_size(),)))
     for k in (0, 2, 4):
         fully_shard(model[k], mesh=mesh, **kw)
     return fully_shard(model, mesh=mesh, **kw)
@@ -190,6 +192,7 @@ def _worker(rank, world, out):
     for mode in MODES:
         results[("resume", mode)] = _resume(rank, world, out, mode)
     results["clip"] = {dtype: _clipping(rank, world, dtype) for dtype in ("bf16", "fp16")}
+    results["hsdp"] = _hsdp_clipping(rank, world)
     if rank == 0:
         torch.save(results, Path(out) / f"w{world}.pt")
 
@@ -256,6 +259,23 @@ def _clipping(rank, world, dtype):
             except Exception as exc:  # noqa: BLE001 - recorded, and the test says what it was
                 norm = f"{type(exc).__name__}: {exc}"
         r[how] = (norm, expected)
+    return r
+
+
+def _hsdp_clipping(rank, world):
+    """HSDP meshes (1, world) and (world, 1), offloaded: gradients placed (Replicate(), Shard(0)); the
+    norm of GradScaler(max_grad_norm=) against the full gradients'."""
+    r = {}
+    x, y = batch(0, rank, world)
+    for shape in ((1, world), (world, 1)):
+        model = fsdp(make_model(torch.bfloat16), True, shape)
+        opt = make_opt(model, "tiny", "plain")
+        ((model(x.to(torch.bfloat16)).float() - y) ** 2).mean().backward()
+        placements = {tuple(type(pl).__name__ for pl in p.grad.placements) for p in model.parameters()}
+        expected = torch.linalg.vector_norm(torch.cat([full(p.grad).double().reshape(-1) for p in model.parameters()]))
+        scaler = halfadam.GradScaler(enabled=False, max_grad_norm=MAX_NORM)
+        scaler.step(opt)
+        r[shape] = (scaler.last_grad_norm, expected, placements)
     return r
 
 
@@ -348,3 +368,12 @@ def test_torch_clip_grad_norm_on_a_cpu_mesh(ranks, dtype):
         assert not isinstance(norm, str), norm
         assert norm.dtype == DTYPES[dtype]  # torch's norm is in the gradients' dtype
         torch.testing.assert_close(norm.double(), expected, rtol=torch.finfo(norm.dtype).eps, atol=0)
+
+
+def test_halfadam_clipping_norm_on_hsdp_meshes(ranks):
+    """2-D meshes (replicas x shards): each rank's partial norm is reduced over the sharded dim only."""
+    for world in WORLDS:
+        for shape, (norm, expected, placements) in ranks[1][world]["hsdp"].items():
+            assert placements == {("Replicate", "Shard")}, placements
+            assert expected > 4 * MAX_NORM
+            torch.testing.assert_close(norm.double(), expected, rtol=2e-7, atol=0, msg=f"{world} ranks, {shape}")
