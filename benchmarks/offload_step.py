@@ -6,7 +6,9 @@ given state mode, ``--warmup`` steps then ``--steps`` timed steps (forward, back
 step). Printed per configuration: the median step time, the device's peak allocated bytes per
 parameter (``torch.cuda.max_memory_allocated``, CUDA only) and the host's resident bytes per parameter
 that the model, its training and its optimizer added (``VmRSS`` of ``/proc/self/status`` before the
-model is built and after the last step: measured, not computed). On CUDA the offloaded run uses
+model is built and after the last step, its gradients still alive, freed heap pages returned first: measured, not computed; the
+process's peak ``VmHWM`` beside it, per parameter, includes torch itself). ``--modes torch``:
+``torch.optim.AdamW`` on float32 parameters. On CUDA the offloaded run uses
 ``pin_memory=True`` (FSDP2's default: pinned host shards, asynchronous copies); on the CPU
 ``pin_memory=False`` (pinning needs an accelerator) and offloading changes only FSDP2's code path.
 
@@ -14,6 +16,7 @@ model is built and after the last step: measured, not computed). On CUDA the off
 """
 
 import argparse
+import ctypes
 import pathlib
 import statistics
 import sys
@@ -27,9 +30,15 @@ import halfadam  # noqa: E402
 import halfadam.distributed as hd  # noqa: E402
 
 
-def _rss_bytes() -> int:
+def _status_bytes(key: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in bytes, after glibc has
+    returned its freed heap pages to the system (``malloc_trim``), so that freed memory is not counted."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: resident memory as it is
+        pass
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{key}:"))
 
 
 def _run(rank, world, device, width, layers, mode, offload, warmup, steps, out):
@@ -37,10 +46,12 @@ def _run(rank, world, device, width, layers, mode, offload, warmup, steps, out):
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     cuda = device == "cuda"
-    rss0 = _rss_bytes()
+    rss0 = _status_bytes("VmRSS")
     torch.manual_seed(0)
-    # offloading needs the parameters materialized on the CPU; without it they start on the device
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
+    # offloading needs the parameters materialized on the CPU; without it they start on the device.
+    # "torch": torch.optim.AdamW on float32 parameters (what torchao's offload keeps by default)
+    dtype = torch.float32 if mode == "torch" else torch.bfloat16
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(dtype)
     if not offload:
         model.to(device)
     policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
@@ -48,9 +59,10 @@ def _run(rank, world, device, width, layers, mode, offload, warmup, steps, out):
     for layer in model:
         fully_shard(layer, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
-    opt = halfadam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state_mode=mode)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1) if mode == "torch" else
+           halfadam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, state_mode=mode))
     numel = sum(p.numel() for p in model.parameters())
-    x = torch.randn(8, width, device=device, dtype=torch.bfloat16)
+    x = torch.randn(8, width, device=device, dtype=dtype)
     times = []
     for t in range(warmup + steps):
         if cuda:
@@ -58,6 +70,8 @@ def _run(rank, world, device, width, layers, mode, offload, warmup, steps, out):
         start = time.perf_counter()
         model(x).float().pow(2).mean().backward()
         opt.step()
+        if t == warmup + steps - 1:  # parameters, gradients and state alive
+            host = (_status_bytes("VmRSS") - rss0) / numel
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
@@ -65,10 +79,9 @@ def _run(rank, world, device, width, layers, mode, offload, warmup, steps, out):
             times.append(time.perf_counter() - start)
     where = next(iter(model.parameters())).device
     peak = torch.cuda.max_memory_allocated() / numel if cuda else float("nan")
-    host = (_rss_bytes() - rss0) / numel
     print(f"{mode:8s} offload={'yes' if offload else 'no ':3s} params on {where.type:4s} {numel / 1e6:7.1f}M: "
           f"step {statistics.median(times) * 1e3:8.1f} ms, device peak {peak:6.2f} B/param, "
-          f"host RSS added {host:6.2f} B/param", flush=True)
+          f"host RSS added {host:6.2f} B/param (peak {_status_bytes('VmHWM') / numel:6.2f} of the process)", flush=True)
 
 
 def main() -> None:
@@ -76,7 +89,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--modes", default="fp32,tiny")
+    ap.add_argument("--modes", default="fp32,tiny", help="halfadam state modes, or torch (AdamW, fp32 parameters)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
