@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: `halfadam doctor`, the CUDA tests, then the GPU bench, in under 8 minutes on one GPU.
+# The prepared GPU check: the CUDA tests, the GPU bench, then the FSDP2 offload step, in under 9 minutes on one GPU.
 #   pip install -e ".[test]"        # pytest; torch with CUDA and the triton package must be installed
 #   bash benchmarks/gpu_check.sh    # from anywhere; it runs in the repository root
 # Prints the GPU, the test summary (every failure listed, not only the first) and the
@@ -29,5 +29,15 @@ bench=$?
 timeout 100 python -m halfadam bench --device cuda --sizes 1e6 --no-small --gpt --dtypes bf16 --impls triton \
   --state-modes fp32,compact --warmup 2 --repeat 5
 gpt=$?
-echo "gpu_check: doctor exit $doctor, tests exit $tests (log /tmp/halfadam_gpu_tests.log), bench exit $bench, gpt bench exit $gpt"
-[ "$doctor" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$gpt" -eq 0 ]
+# FSDP2 on one rank, CPUOffloadPolicy(pin_memory=True) against no offload: step time, device peak and
+# host RSS per parameter (134M bf16 parameters in 8 units; fp32 and tiny state); only where CUDA runs
+offload=0
+if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  timeout 120 python benchmarks/offload_step.py --device cuda --width 4096 --layers 8 --modes fp32,tiny
+  offload=$?
+else
+  echo "offload step: skipped (no CUDA)"
+fi
+echo "gpu_check: doctor exit $doctor, tests exit $tests (log /tmp/halfadam_gpu_tests.log), bench exit $bench, gpt bench exit $gpt," \
+  "offload step exit $offload"
+[ "$doctor" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$gpt" -eq 0 ] && [ "$offload" -eq 0 ]

@@ -163,8 +163,12 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
     large finite float32/bfloat16 values from overflowing (it overflows float32 from 1.8e19).
 
     Plain tensors contribute their local norm (DDP gradients are replicated, so this is the global
-    norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor: their sharded norm
-    is reduced over their mesh (``full_tensor()``), so every rank gets the same value. With
+    norm). ``DTensor`` gradients (FSDP2) contribute the norm of the whole tensor, so every rank gets
+    the same value: sharded and replicated placements (FSDP2's ``Shard(0)``, HSDP's ``(Replicate(),
+    Shard(0))``) by the local shards' norms, reduced over each sharded mesh dimension's process group
+    on that backend's device (host gradients of FSDP2's CPU offload on a CUDA mesh: the partial norm
+    goes to the GPU for nccl and back), any other placement (``Partial``) by DTensor's own reduction
+    (``full_tensor()``). With
     ``shard_group`` (ZeRO: each rank holds the gradients of its own parameters) the plain tensors'
     norm is combined over that group; every rank of it must call this, even with no gradients.
     """
@@ -173,14 +177,17 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
     device = local(grads[0]).device if grads else torch.device("cpu")
     norms = []
     plain: Dict[Any, List[Tensor]] = {}  # device -> plain (non-DTensor) gradients
-    sharded: Dict[Any, List[Tensor]] = {}  # 1-D mesh -> local norms of gradients sharded over it
+    # (mesh, its sharded dims) -> local norms of gradients laid out so over it
+    sharded: Dict[Tuple[Any, Tuple[int, ...]], List[Tensor]] = {}
     for g in grads:
         if not is_dtensor(g):
             plain.setdefault(g.device, []).append(g)
             continue
-        if is_dtensor(g) and g.device_mesh.ndim == 1 and all(pl.is_shard() for pl in g.placements):
-            # Disjoint shards (FSDP2): combine the local norms with one collective per mesh.
-            sharded.setdefault(g.device_mesh, []).append(
+        if all(pl.is_shard() or pl.is_replicate() for pl in g.placements):
+            # Disjoint shards (FSDP2, HSDP), replicated over the other dims: combine the local norms
+            # with one collective per (mesh, sharded dims) and sharded dim.
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            sharded.setdefault((g.device_mesh, dims), []).append(
                 torch.linalg.vector_norm(g.to_local(), norm_type, dtype=dtype))
             continue
         n = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
@@ -194,10 +201,11 @@ def total_norm(grads: Sequence[Tensor], norm_type: float = 2.0, shard_group: Any
         else:
             norms += [torch.linalg.vector_norm(t, norm_type, dtype=dtype).to(device) for t in ts]
     dist = torch.distributed
-    for mesh, local_norms in sharded.items():
+    for (mesh, dims), local_norms in sharded.items():
         part = torch.linalg.vector_norm(torch.stack(local_norms), norm_type)
         part = part if inf else part.double() ** norm_type
-        _all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, mesh.get_group())
+        for dim in dims:  # over each sharded dim in turn: all the disjoint shards (a replica each)
+            _all_reduce_(part, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, mesh.get_group(dim))
         norms.append((part if inf else part ** (1.0 / norm_type)).to(device, dtype))
     total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
              else torch.zeros((), dtype=dtype, device=device))
