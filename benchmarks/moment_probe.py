@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     print(f"moment probe: ({rows}, {COLS}) bf16 per cell, spike at step 1, s for {hold} steps then 0, "
           f"{steps} steps")
     print(f"AdamW lr {HYPER['lr']:g}, betas {HYPER['betas']}, eps {HYPER['eps']:g}, weight decay "
-          f"{HYPER['weight_decay']:g}; other gradients 0; implementation {args.implementation}")
-    print(f"cell: mean over {rows} rows of |movement of the small element| / torch AdamW fp32's; "
-          f"* outside [{LOW}, {HIGH}]")
+          f"{HYPER['weight_decay']:g}; other gradients 0; {args.implementation}")
+    print(f"cell: mean over {rows} rows of the small element's |movement| / torch AdamW fp32's; "
+          f"*: outside {LOW}-{HIGH}")
     ref, _, _ = run_mode("torch", cells, rows, steps, hold, args.implementation)
     results = {m: run_mode(m, cells, rows, steps, hold, args.implementation)[0] for m in modes}
     header = f"{'mode':<8} {'s':>6} " + "".join(f"{'spike=' + fmt_num(sp):>12}" for sp in spikes)
