@@ -19,9 +19,9 @@ update direction ``u = m_hat / (sqrt(v_hat) + eps)``. Over the elements of the 2
 * ``m part``: ``E[|m_c| / |m_s|] - 1`` (the stored ``exp_avg`` alone; heavy-tailed where ``m_s``
   crosses 0, hence also its median);
 * ``sum``: ``sum |u_codes| / sum |u_shadow| - 1`` (the bias weighted by step length);
-* the bias split by how many binades the shadow's ``v`` sits below its block's largest ``v``
-  (blocks of 128 within rows, as the codes' blocks): [0, 8), [8, 19), [19, 29), >= 29, with each
-  class's share of the elements.
+* the bias and its v part split by how many binades the shadow's ``v`` sits below its block's
+  largest ``v`` (blocks of 128 within rows, as the codes' blocks): [0, 8), [8, 19), [19, 29), >= 29,
+  with each class's share of the samples.
 
 The prediction for today's compact codes (issue 36): about 12% relative noise in the stored ``v``,
 so by Jensen ``E[(1 + e)^(-1/2)] - 1 = 3/8 sigma^2 = +0.54%``. ``noise`` prints the measured
@@ -118,7 +118,7 @@ class Tally:
         self.noise2 = 0.0
         self.nv = 0
         self.mratios = []
-        self.bins = [[0, 0.0] for _ in BINS]
+        self.bins = [[0, 0.0, 0.0] for _ in BINS]  # count, sum of ratio - 1, sum of the v part
 
     def add(self, mc, vc, ms, vs, bc1, bc2, eps):
         ms, vs, mc, vc = ms.double(), vs.double(), mc.double(), vc.double()
@@ -130,7 +130,8 @@ class Tally:
         ratio = (uc.abs() / us.abs())[keep]
         self.n += int(keep.sum())
         self.bias += float((ratio - 1).sum())
-        self.vpart += float((ds / dc)[keep].sum() - keep.sum())
+        vr = (ds / dc)[keep]
+        self.vpart += float(vr.sum() - vr.numel())
         mr = (mc.abs() / ms.abs())[keep]
         self.mpart += float((mr - 1).sum())
         if mr.numel():
@@ -145,6 +146,7 @@ class Tally:
             sel = (below >= lo) & (below < hi)
             b[0] += int(sel.sum())
             b[1] += float((ratio[sel] - 1).sum())
+            b[2] += float((vr[sel] - 1).sum())
 
     def row(self):
         n = max(self.n, 1)
@@ -152,7 +154,8 @@ class Tally:
         noise = math.sqrt(self.noise2 / max(self.nv, 1))
         return {"n": self.n, "bias": self.bias / n, "v": self.vpart / n, "m": self.mpart / n, "m_median": med,
                 "sum": self.uc / self.us - 1 if self.us else 0.0, "noise": noise,
-                "bins": [(b[0] / n, b[1] / b[0] if b[0] else float("nan")) for b in self.bins]}
+                "bins": [(b[0] / n, b[1] / b[0], b[2] / b[0]) if b[0] else (0.0, math.nan, math.nan)
+                         for b in self.bins]}
 
 
 def run_mode(mode: str, model0, batch, loss_fn, lr: float, steps: int, skip: int, every: int,
@@ -224,16 +227,17 @@ def main(argv=None) -> int:
               f"{100 * r['m_median']:>+8.3f}% {100 * r['sum']:>+7.3f}% {100 * r['noise']:>7.2f}% "
               f"{37.5 * r['noise'] ** 2:>+7.3f}% {r['loss']:>6.3f}")
     print()
-    head = f"{'mode':<8} " + "".join(f"{'v ' + b + ' below max':>22}" for b in BIN_NAMES)
+    print("by v's binades below its block's largest v (the shadow's; blocks of 128 in rows):")
+    head = f"{'mode':<8} {'':<8}" + "".join(f"{b:>12}" for b in BIN_NAMES)
     print(head)
-    print(f"{'':<8} " + "".join(f"{'share':>11}{'bias':>11}" for _ in BIN_NAMES))
     print("-" * len(head))
     for m in modes:
-        line = f"{m:<8} "
-        for share, bias in rows[m]["bins"]:
-            cell = "-" if math.isnan(bias) else f"{100 * bias:+.3f}%"
-            line += f"{100 * share:>10.3f}%{cell:>11}"
-        print(line)
+        for k, what in enumerate(("share", "bias", "v part")):
+            line = f"{m:<8} {what:<8}"
+            for cell in rows[m]["bins"]:
+                x = cell[k]
+                line += f"{'-':>12}" if math.isnan(x) else (f"{100 * x:>11.3f}%" if k == 0 else f"{100 * x:>+11.3f}%")
+            print(line)
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
 

@@ -59,9 +59,15 @@ def test_moment_bias_quick():
     assert fp32[1:8] == ["+0.000%"] * 4 + ["+0.000%", "0.00%", "+0.000%"]  # the shadow is fp32's own state
     assert int(main["compact"][0][0].replace(",", "")) > 0
     assert float(main["compact"][0][6].rstrip("%")) > 0  # noise in the 8-bit v
-    bins = _rows(out, "mode            v 0-8")
-    assert list(bins) == ["fp32", "bf16", "compact", "tiny"]
-    assert all(len(bins[m][0]) == 8 for m in bins)
-    assert all(cell in ("+0.000%", "-") for cell in bins["fp32"][0][1::2])
-    shares = [float(c.rstrip("%")) for c in bins["compact"][0][0::2]]
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode") and "0-8" in line)
+    assert lines[start].split() == ["mode", "0-8", "8-19", "19-29", ">=29"]
+    bins = {}
+    for line in lines[start + 2:start + 2 + 3 * 4]:  # share, bias, v part per mode
+        mode, what, cells = line[:8].strip(), line[9:17].strip(), line[17:].split()
+        assert len(cells) == 4
+        bins[mode, what] = cells
+    assert sorted({m for m, _ in bins}) == ["bf16", "compact", "fp32", "tiny"]
+    assert all(cell in ("+0.000%", "-") for what in ("bias", "v part") for cell in bins["fp32", what])
+    shares = [float(c.rstrip("%")) for c in bins["compact", "share"]]
     assert abs(sum(shares) - 100) < 0.01
