@@ -145,8 +145,8 @@ def main(argv=None) -> int:
             print(line.rstrip())
     print()
     print("cells outside [0.95, 1.05]: " + ", ".join(f"{m} {outside[m]} of {len(cells)}" for m in modes))
-    print("the reference's movement of the small element (mean over rows): "
-          + ", ".join(f"{fmt_num(s)} {float(ref[cells.index((s, spikes[0]))].mean()):.4f}" for s in s_values))
+    print("the reference's movement of the small element (mean over rows, spike 1):")
+    print("  " + "  ".join(f"s={fmt_num(s)} {float(ref[cells.index((s, spikes[0]))].mean()):.4f}" for s in s_values))
     if "fp32" in modes:
         dev = max(float((results["fp32"][i] / ref[i] - 1).abs().max()) for i in range(len(cells)))
         print(f"fp32 mode against torch AdamW: largest |ratio - 1| of any row {dev:.1e}")
