@@ -20,18 +20,23 @@ Figures (bytes per parameter of the model):
 - ``USS``: the growth of the process's unique set size (``Private_Clean + Private_Dirty`` of
   ``/proc/self/smaps_rollup``) from before the model is built to after the last ``step()`` (gradients
   still held, before ``zero_grad``), after ``gc.collect()`` and glibc's ``malloc_trim(0)``: parameters,
-  gradients, state, whatever FSDP2 keeps between steps (its staging buffers, if it keeps any) and the
-  allocator's retained free memory;
-- ``USS no trim``: the same without ``malloc_trim`` (what a training loop that never trims holds);
-- ``peak``: the growth of the peak resident set (``VmHWM``) from the same starting point: the most
-  the steps held at once (FSDP2's unsharded parameters and gradients, the reduce-scatter, the forward's
-  activations, the optimizer's temporaries).
+  gradients, state, and whatever FSDP2 and the process keep between steps (its staging buffers, if it
+  keeps any; Python objects);
+- ``no trim``: the same without ``malloc_trim`` (what a training loop that never trims holds: glibc keeps
+  freed chunks under its mmap threshold, which rises to 32 MB after the first large free);
+- ``RSS``: the growth of the resident set (shared pages too), at the same point;
+- ``peak``: the growth of the peak resident set (``VmHWM``) over the steps before the last (the first
+  allocates the state);
+- ``bwd`` / ``step``: the growth of the peak resident set in the last step's forward and backward
+  (FSDP2's unsharded parameters and gradients, its reduce-scatter buffers, the activations) and in its
+  ``optimizer.step()`` (the optimizer's temporaries), each from before the model, measured after
+  ``malloc_trim`` and a reset of ``VmHWM`` so that only bytes live at once count.
 
 Before the starting point each subprocess runs the whole path once on a 2-layer model of the same width
 (imports, gloo, FSDP2, the C++ kernels and their threads, DeepSpeed's op), so libraries and thread stacks
 are not counted.
 
-Run: ``PYTHONPATH=src python benchmarks/offload_host_memory.py`` (about a minute on 2 cores; DeepSpeed's
+Run: ``PYTHONPATH=src python benchmarks/offload_host_memory.py`` (about 3 minutes on 2 cores; DeepSpeed's
 rows only where ``deepspeed`` imports, its CPU Adam built on first use).
 """
 
@@ -124,23 +129,31 @@ def build(config: str, layers: int):
     return model, opt, list(zip(params, local))
 
 
-def train(model, opt, link, steps: int, last_hook=None):
+def train(model, opt, link, steps: int, hooks=None):
+    """``steps`` steps; ``hooks`` (a dict of callables) is called in the last one at "start", "backward"
+    (after it) and "step" (after ``opt.step()``, gradients still held)."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
+        call = (hooks or {}).get if step == steps - 1 else {}.get
+        (call("start") or _nothing)()
         x = torch.randn(8, WIDTH, generator=g).to(torch.bfloat16)  # the compute is bf16 in every configuration
         model(x).float().square().mean().backward()
+        (call("backward") or _nothing)()
         if link is not None:
             for p, loc in link:
                 loc.grad = _local(p.grad)
         opt.step()
-        if step == steps - 1 and last_hook is not None:
-            last_hook()
+        (call("step") or _nothing)()
         opt.zero_grad(set_to_none=True)
         if link is not None:
             for _, loc in link:
                 loc.grad = None
+
+
+def _nothing():
+    pass
 
 
 def _tensor_bytes(tensors) -> int:
@@ -178,9 +191,19 @@ def run_one(config: str, steps: int, layers: int) -> dict:
         numel = sum(p.numel() for p in model.parameters())
         seen = {}
 
-        def at_last_step():
-            state_opt = opt
-            seen["state"] = _memory_bytes(state_opt, scratch=True)
+        def start():  # the last step's peaks: from its live bytes (freed memory returned first)
+            seen["hwm_first"] = memory()["hwm"]  # the steps before: the first allocates the state
+            _trim()
+            _reset_peak()
+
+        def backward():
+            seen["hwm_backward"] = memory()["hwm"]
+            _trim()
+            _reset_peak()
+
+        def step():
+            seen["hwm_step"] = memory()["hwm"]
+            seen["state"] = _memory_bytes(opt, scratch=True)
             seen["params"] = _tensor_bytes(model.parameters())
             seen["grads"] = _tensor_bytes(p.grad for p in model.parameters())
             gc.collect()
@@ -188,7 +211,7 @@ def run_one(config: str, steps: int, layers: int) -> dict:
             _trim()
             seen["after"] = memory()
 
-        train(model, opt, link, steps, at_last_step)
+        train(model, opt, link, steps, dict(start=start, backward=backward, step=step))
         per = lambda b: b / numel  # noqa: E731
         return dict(config=config, numel=numel, steps=steps, threads=torch.get_num_threads(),
                     param_dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -196,7 +219,9 @@ def run_one(config: str, steps: int, layers: int) -> dict:
                     uss=per(seen["after"]["uss"] - before["uss"]),
                     rss=per(seen["after"]["rss"] - before["rss"]),
                     uss_untrimmed=per(seen["untrimmed"]["uss"] - before["uss"]),
-                    peak=per(seen["after"]["hwm"] - before_hwm))
+                    peak=per(seen["hwm_first"] - before_hwm) if "hwm_first" in seen else None,
+                    peak_backward=per(seen["hwm_backward"] - before["rss"]),
+                    peak_step=per(seen["hwm_step"] - before["rss"]))
     finally:
         dist.destroy_process_group()
 
@@ -210,7 +235,7 @@ def _free_port() -> int:
 # ------------------------------------------------------------------------------------------- the table
 def table(rows: list) -> str:
     head = (f"{'configuration':<18}{'params':>6} {'state':>6} {'p+g':>6} {'USS':>6} {'no trim':>8} "
-            f"{'RSS':>6} {'peak':>6}  target")
+            f"{'RSS':>6} {'peak':>6} {'bwd':>6} {'step':>6}  target")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "failed" in r:
@@ -220,7 +245,8 @@ def table(rows: list) -> str:
         verdict = "" if target is None else f"<= {target:g}: {'holds' if r['uss'] <= target else 'misses'}"
         dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(r["param_dtype"], r["param_dtype"])
         lines.append(f"{r['config']:<18}{dtype:>6} {r['state']:6.2f} {r['params'] + r['grads']:6.2f} "
-                     f"{r['uss']:6.2f} {r['uss_untrimmed']:8.2f} {r['rss']:6.2f} {r['peak']:6.2f}  {verdict}")
+                     f"{r['uss']:6.2f} {r['uss_untrimmed']:8.2f} {r['rss']:6.2f} {r['peak']:6.2f} "
+                     f"{r['peak_backward']:6.2f} {r['peak_step']:6.2f}  {verdict}")
     return "\n".join(lines)
 
 
@@ -231,17 +257,23 @@ LEGEND = """B/param of the model's parameters, one gloo rank, FSDP2 CPUOffloadPo
            (gradients held), after gc and malloc_trim: everything the process holds between steps
   no trim  the same without malloc_trim(0)
   RSS      growth of the resident set size (the same point; shared pages counted too)
-  peak     growth of the peak resident set (VmHWM) during the steps: unsharded params, grads, staging"""
+  peak     growth of the peak resident set (VmHWM) over the steps before the last (the first allocates
+           the state), from before the model
+  bwd      the last step's peak RSS in forward and backward (unsharded params and grads, the
+           reduce-scatter), from before the model, freed memory returned to the system before it
+  step     the same for the last optimizer.step() (the optimizer's temporaries)"""
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps (at least 2; the figures are the last's)")
     parser.add_argument("--layers", type=int, default=20, help="1024x1024 layers (20: 20,971,520 parameters)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the subprocess: one configuration, JSON out
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step allocates the state; the last is measured)")
     if args.one:
         print(json.dumps(run_one(args.one, args.steps, args.layers)))
         return 0
