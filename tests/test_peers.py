@@ -208,3 +208,39 @@ def test_bench_peers_rows(capsys):
         row = rows[peer.label]
         assert row["dtype"] == ("fp32" if peer.param_dtype == torch.float32 else "bf16")
         assert row["ms"] > 0 and row["memory_mb"] > 0
+
+
+def test_bench_rows_have_distinct_labels():
+    """Each peer is its own ``halfadam bench`` row: DeepSpeed's two CPU Adam configurations too."""
+    labels = [p.label for p in PEERS.values()]
+    assert len(set(labels)) == len(labels), labels
+    assert PEERS["bf16-deepspeed-cpuadam"].label == "deepspeed cpuadam bf16-state"
+
+
+@pytest.mark.parametrize("name, state_dtype", [("fp32-deepspeed-cpuadam", torch.float32),
+                                               ("bf16-deepspeed-cpuadam", torch.bfloat16)])
+def test_deepspeed_cpu_adam_state_dtype(name, state_dtype):
+    """DeepSpeed's CPU Adam keeps float32 moments on float32 parameters, and with
+    ``fp32_optimizer_states=False`` (DeepSpeed#8010) bfloat16 moments on bfloat16 parameters; its step
+    is torch's AdamW step (on float32 copies) to the parameters' precision."""
+    pytest.importorskip("deepspeed")
+    peer = PEERS[name]
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(4096, generator=g) * 0.02
+    grads = [torch.randn(4096, generator=g) * 1e-3 for _ in range(3)]
+    w = w0.to(peer.param_dtype, copy=True).requires_grad_()
+    try:
+        opt = peer.build([w], lr=1e-2, weight_decay=0.1)
+    except TypeError as exc:  # a DeepSpeed before #8010: no fp32_optimizer_states
+        pytest.skip(f"{peer.source}: {exc}")
+    ref = w0.clone().requires_grad_()
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    for grad in grads:
+        w.grad, ref.grad = grad.to(peer.param_dtype), grad.clone()
+        opt.step()
+        ref_opt.step()
+    state = opt.state[w]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == state_dtype
+    assert bench._memory_bytes(opt, scratch=False) == 2 * 4096 * state_dtype.itemsize
+    tol = 1e-6 if state_dtype == torch.float32 else 2e-3  # bf16 weights: within a few bf16 ulps of 0.02
+    torch.testing.assert_close(w.detach().float(), ref.detach(), atol=tol, rtol=0)

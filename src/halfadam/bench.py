@@ -17,7 +17,8 @@ flat scratch buffers, distinct storages counted once).
 Kahan summation, torchao's bf16 stochastic-rounding and 8-bit AdamW, bitsandbytes' 8-bit AdamW,
 DeepSpeed's CPU Adam), timed in the same rounds on tensors of the same sizes and seed, bfloat16
 parameters and gradients (float32 for DeepSpeed's CPU Adam, which steps ZeRO-Offload's float32 master
-copy); a peer that is missing or fails one step is skipped with one line on stderr.
+copy; bfloat16 for its bf16-state configuration, ``fp32_optimizer_states=False``); a peer that is
+missing or fails one step is skipped with one line on stderr.
 
 A configuration that raises while it is built or timed (a damaged compile cache, an unsupported
 kernel) becomes a row marked ``failed: <ExceptionType>: <first line>`` (in JSON: a row with a

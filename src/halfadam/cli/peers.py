@@ -43,6 +43,7 @@ class Peer:
     probe: bool = False  # try one step on a small tensor before using it (it may not run here)
     bench_only: bool = False
     cuda_only: bool = False  # runs as itself only on CUDA tensors: skipped elsewhere, with one line
+    row: str = ""  # its ``halfadam bench`` row where the name's tail would repeat another peer's
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -56,7 +57,7 @@ class Peer:
     @property
     def label(self) -> str:
         """The short name of its ``halfadam bench`` row (``optimi kahan``)."""
-        return self.name.split("-", 1)[1].replace("-", " ")
+        return self.row or self.name.split("-", 1)[1].replace("-", " ")
 
 
 _BETAS, _EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's and halfadam.AdamW's defaults
@@ -106,11 +107,22 @@ def _bnb_8bit(params, *, lr, weight_decay):
     return bnb.optim.AdamW8bit(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay)
 
 
-def _deepspeed_cpu_adam(params, *, lr, weight_decay):
+def _deepspeed_cpu_adam(params, *, lr, weight_decay, **extra):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     # adamw_mode=True (the default) is decoupled decay, w -= lr * wd * w, as torch's.
-    return DeepSpeedCPUAdam(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, adamw_mode=True)
+    return DeepSpeedCPUAdam(params, lr=lr, betas=_BETAS, eps=_EPS, weight_decay=weight_decay, adamw_mode=True,
+                            **extra)
+
+
+def _deepspeed_cpu_adam_bf16(params, *, lr, weight_decay):
+    # fp32_optimizer_states=False (DeepSpeed#8010, 2026-05; 0.19.8 has it) keeps exp_avg and exp_avg_sq in
+    # the parameters' dtype: on bfloat16 parameters, bf16 moments and a bf16 master (no fp32 weights). Its
+    # C++ op (csrc/adam/cpu_adam_impl.cpp) has a (BFloat16, BFloat16) invoker; it loads and stores bf16
+    # through fp32 registers in its AVX-512 (or NEON) loop, and steps everything in a scalar loop on an AVX2-only
+    # build (csrc/includes/cpu_adam.h). An older DeepSpeed has no such argument: its one-step probe fails with
+    # a TypeError and the peer is skipped with one line.
+    return _deepspeed_cpu_adam(params, lr=lr, weight_decay=weight_decay, fp32_optimizer_states=False)
 
 
 def _te_fused_adam(params, *, lr, weight_decay):
@@ -155,6 +167,13 @@ _PEER_LIST = [
     Peer("fp32-deepspeed-cpuadam", "deepspeed", "deepspeed", "deepspeed.ops.adam.DeepSpeedCPUAdam",
          "DeepSpeed's CPU Adam (ZeRO-Offload's optimizer) on float32 parameters: float32 moments (8 B/param)",
          _deepspeed_cpu_adam, dtype="float32", probe=True, bench_only=True),
+    # ZeRO-Offload with bf16 optimizer states (DeepSpeed#8010): the host step on bf16 parameters, gradients
+    # and moments, 14 B moved per parameter, no fp32 master.
+    Peer("bf16-deepspeed-cpuadam", "deepspeed", "deepspeed",
+         "deepspeed.ops.adam.DeepSpeedCPUAdam(fp32_optimizer_states=False)",
+         "DeepSpeed's CPU Adam with bf16 optimizer states on bfloat16 parameters, no master: bf16 moments "
+         "(4 B/param)", _deepspeed_cpu_adam_bf16, probe=True, bench_only=True,
+         row="deepspeed cpuadam bf16-state"),
     Peer("bf16-te-fusedadam", "transformer-engine", "transformer_engine",
          "transformer_engine.pytorch.optimizers.FusedAdam(master_weights=True, store_param_remainders=True)",
          "Transformer Engine's FusedAdam on bfloat16 parameters (CUDA): fp32 master as the parameter plus a "
