@@ -34,7 +34,9 @@ Choices worth knowing when reading the numbers:
   sharded by rows over the processes; gradients summed as with DDP); the table's state bytes per
   parameter are then the job's total, each process holding its shard. Its ``--save``/``--resume``
   go through DCP (:func:`halfadam.distributed.save_checkpoint`: one checksummed directory
-  ``DIR/<mode>.dcp`` per mode, every rank writing its shards).
+  ``DIR/<mode>.dcp`` per mode, every rank writing its shards). ``--offload cpu`` adds FSDP2's
+  ``CPUOffloadPolicy`` (implying ``--dist fsdp``; one process runs a one-rank group) and prints each mode's
+  host and device bytes per parameter, measured (:mod:`.memory`).
 
 This module is the command's entry: its options (:func:`add_arguments`) and :func:`run`. The rest lives
 beside it: :mod:`.config` (the resolved options, the task's data and model), :mod:`.loop` (the training
