@@ -20,7 +20,8 @@ from .errors import CLIError
 from .modes import Mode
 
 #: Options that may differ between a run and its --resume (all others must match).
-_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers", "dist")
+_RESUME_FREE = ("out", "progress", "save", "save_every", "resume", "modes", "nproc", "peers", "dist",
+                "offload")
 #: Options that may also differ when --resume extends a run to more --steps (their defaults follow --steps;
 #: _check_resumed_options requires the steps already taken to keep their learning rates).
 _EXTEND_FREE = ("steps", "warmup_steps", "eval_every")

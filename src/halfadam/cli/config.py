@@ -60,6 +60,7 @@ class TrainConfig:
     nproc: int = 1
     peers: bool = False
     dist: str = "ddp"
+    offload: str | None = None
 
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]:
@@ -75,6 +76,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
 
         read_text_file(args.text, max_chars=1)  # a missing or unreadable file fails before anything is created
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    offload = getattr(args, "offload", None)
+    dist = getattr(args, "dist", None) or ("fsdp" if offload else "ddp")
+    if offload and dist != "fsdp":
+        raise CLIError(f"--offload {offload} runs under --dist fsdp (FSDP2's CPUOffloadPolicy), not --dist {dist}: "
+                       f"leave --dist out or use --dist fsdp")
     if args.lr_schedule == "cosine" and warmup >= steps:
         raise CLIError(f"--warmup-steps {warmup} must be smaller than --steps {steps}")
     device = resolve_device(args.device)
@@ -102,7 +108,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         save_every=args.save_every,
         resume=args.resume,
         peers=getattr(args, "peers", False),
-        dist=getattr(args, "dist", "ddp"),
+        dist=dist,
+        offload=offload,
     )
     if cfg.dist == "fsdp" and (cfg.peers or any(name in PEER_MODES for name in cfg.modes)):
         raise CLIError("--dist fsdp runs without the peer modes: they run under --dist ddp")

@@ -25,6 +25,7 @@ from halfadam.distributed import is_dtensor, local
 
 from .checkpointing import _resume_mode, _save_mode
 from .config import TrainConfig, _lr_schedule
+from .memory import MEASURED_STEPS, MemoryProbe
 from .models import set_compute_dtype
 from .modes import Mode
 from .peers import tensor_parts
@@ -106,17 +107,21 @@ def _allreduce_sum_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def _fully_shard(model: torch.nn.Module, device: torch.device, world: int) -> None:
+def _fully_shard(model: torch.nn.Module, device: torch.device, world: int, offload: str | None = None) -> None:
     """Shard ``model`` in place with FSDP2 over ``world`` processes: one ``fully_shard`` unit per
     transformer block and one for the rest. Gradients are summed over the ranks (divide factor 1), as
-    the DDP path's hook does: each rank's loss is already its share of the batch mean."""
+    the DDP path's hook does: each rank's loss is already its share of the batch mean.
+
+    ``offload="cpu"``: ``CPUOffloadPolicy`` (the model on the host already): the shards, their gradients and
+    the optimizer step stay on the host; pinned memory on CUDA (pinning needs an accelerator)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload == "cpu" else OffloadPolicy()
     for block in getattr(model, "blocks", ()):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -189,11 +194,13 @@ class _ModeRun:
                  rank: int, world: int, save: Callable):
         self.mode, self.dataset, self.cfg, self.device = mode, dataset, cfg, device
         self.rank, self.world, self.save_checkpoint = rank, world, save
-        model = copy.deepcopy(base_model).to(device=device, dtype=mode.param_dtype)
+        self.memory = MemoryProbe(device) if cfg.offload else None  # before the mode's model and optimizer
+        # offloaded, the parameters start on the host (FSDP2 copies each unit's to the device for its compute)
+        model = copy.deepcopy(base_model).to(device="cpu" if cfg.offload else device, dtype=mode.param_dtype)
         set_compute_dtype(model, torch.float32 if device.type == "cpu" else None)
-        self.sharded = world > 1 and cfg.dist == "fsdp"
+        self.sharded = (world > 1 and cfg.dist == "fsdp") or bool(cfg.offload)
         if self.sharded:  # before the optimizer: its parameters are the DTensors
-            _fully_shard(model, device, world)
+            _fully_shard(model, device, world, cfg.offload)
         self.model = model
         self.optimizer = mode.make_optimizer(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scaler = mode.make_scaler(device)
@@ -280,6 +287,8 @@ class _ModeRun:
         loss_value = self._update(net, x, y)
         _sync(self.device)
         self.step_times.append(time.perf_counter() - start)
+        if self.memory is not None and self.memory.steps < MEASURED_STEPS:  # the gradients still alive
+            self.memory.sample()
         curves.train_loss.append(loss_value)
         if not math.isfinite(loss_value):  # the weights are inf/nan: nothing more to learn here
             curves.diverged_at = step
@@ -362,6 +371,9 @@ class _ModeRun:
             "val_steps": curves.val_steps,
             "val_loss": curves.val_loss,
         }
+        if self.memory is not None:
+            metrics["offload"] = self.cfg.offload
+            metrics["memory_measured"] = self.memory.result(self.n_params, self.world)
         if self.scaler is not None:
             metrics["skipped_steps"] = int(curves.skipped)
             metrics["final_loss_scale"] = float(self.scaler.get_scale())

@@ -12,7 +12,7 @@ import torch
 from .config import TrainConfig
 from .models import relative_distance
 
-__all__ = ["compare_with_fp32", "format_table", "plot_losses", "print_header", "write_metrics"]
+__all__ = ["compare_with_fp32", "format_table", "memory_lines", "plot_losses", "print_header", "write_metrics"]
 
 
 def print_header(cfg: TrainConfig, device: torch.device, world: int, data_line: str, model_line: str, n_params: int,
@@ -27,8 +27,13 @@ def print_header(cfg: TrainConfig, device: torch.device, world: int, data_line: 
     if world > 1:
         backend = torch.distributed.get_backend()
         how = "DDP" if cfg.dist == "ddp" else "FSDP2: parameters, gradients and optimizer state sharded"
+        if cfg.offload:
+            how += f", offloaded to the host (CPUOffloadPolicy, pin_memory={device.type == 'cuda'})"
         print(f"  data-parallel: {world} processes ({how}, {backend}), {cfg.batch_size // world} per process "
               f"per step")
+    elif cfg.offload:
+        print(f"  --offload {cfg.offload} in one process: FSDP2 on a one-rank process group, parameters, gradients "
+              f"and optimizer state on the host (CPUOffloadPolicy, pin_memory={device.type == 'cuda'})")
     elif cfg.dist == "fsdp":
         print("  --dist fsdp in one process: nothing is sharded (start N processes with --nproc N or torchrun); "
               "checkpoints are DCP directories all the same")
@@ -132,6 +137,27 @@ def format_table(results: dict[str, dict]) -> str:
         "first step (state allocation, compilation)."
     )
     return "\n".join(out)
+
+
+def memory_lines(results: dict[str, dict]) -> list[str]:
+    """``--offload``: one line per mode with the host and device bytes per parameter its run added, measured
+    (:class:`halfadam.cli.memory.MemoryProbe`); none without ``--offload``."""
+    measured = {name: m["memory_measured"] for name, m in results.items() if m.get("memory_measured")}
+    if not measured:
+        return []
+    width = max(len(name) for name in measured)
+    lines = []
+    for name, mem in measured.items():
+        host = mem["host_bytes_per_param"]
+        host_text = "n/a (no /proc/self/status)" if host is None else f"{host:.2f} B/param"
+        if mem["device_bytes_per_param"] is None:
+            device_text = "the host (CPU run)"
+        else:
+            device_text = f"{mem['device_bytes_per_param']:.2f} B/param (torch.cuda.max_memory_allocated)"
+        procs = f", {mem['processes']} processes summed" if mem["processes"] > 1 else ""
+        lines.append(f"{name:<{width}}  measured: host {host_text} (VmRSS added after {mem['after_steps']} "
+                     f"step{'s' * (mem['after_steps'] != 1)}{procs}), device {device_text}")
+    return lines
 
 
 def _jsonable(value):

@@ -34,7 +34,9 @@ Choices worth knowing when reading the numbers:
   sharded by rows over the processes; gradients summed as with DDP); the table's state bytes per
   parameter are then the job's total, each process holding its shard. Its ``--save``/``--resume``
   go through DCP (:func:`halfadam.distributed.save_checkpoint`: one checksummed directory
-  ``DIR/<mode>.dcp`` per mode, every rank writing its shards).
+  ``DIR/<mode>.dcp`` per mode, every rank writing its shards). ``--offload cpu`` adds FSDP2's
+  ``CPUOffloadPolicy`` (implying ``--dist fsdp``; one process runs a one-rank group) and prints each mode's
+  host and device bytes per parameter, measured (:mod:`.memory`).
 
 This module is the command's entry: its options (:func:`add_arguments`) and :func:`run`. The rest lives
 beside it: :mod:`.config` (the resolved options, the task's data and model), :mod:`.loop` (the training
@@ -179,12 +181,18 @@ def _add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoint resumes under any --nproc. The same under torchrun (also with --device "
                              "cuda, one GPU per process): torchrun --standalone --nproc-per-node N -m halfadam "
                              "train ... (without --nproc)")
-    parser.add_argument("--dist", choices=("ddp", "fsdp"), default="ddp",
+    parser.add_argument("--dist", choices=("ddp", "fsdp"), default=None,
                         help="with more than one process (--nproc N or torchrun; with one it changes only the "
                              "checkpoints' format): "
-                             "ddp (default) replicates the model (DistributedDataParallel); fsdp shards parameters, "
+                             "ddp (default; fsdp with --offload) replicates the model (DistributedDataParallel); "
+                             "fsdp shards parameters, "
                              "gradients and optimizer state over the processes (FSDP2 fully_shard, every state "
                              "mode; no --peers; --save/--resume write and read DCP directories DIR/<mode>.dcp)")
+    parser.add_argument("--offload", choices=("cpu",), default=None,
+                        help="cpu: keep parameters, gradients and optimizer state on the host and step them there "
+                             "(FSDP2 fully_shard with CPUOffloadPolicy, pinned memory on CUDA; implies --dist fsdp, "
+                             "refused with --dist ddp; one process runs a one-rank gloo group); prints the host and "
+                             "device bytes per parameter each mode added, measured from the process")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
                 _remove_empty(created)
             return status
     rank, world = hd.init_from_env("nccl" if device.type == "cuda" else "gloo")
+    if cfg.offload and not dist.is_initialized():
+        _init_one_rank(device)  # FSDP2 needs a process group, even of one
     owns_group = not grouped and dist.is_available() and dist.is_initialized()  # torchrun: set up just now
     try:
         status = _run(cfg, device, out, rank, world)
@@ -223,6 +233,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _init_one_rank(device: torch.device) -> None:
+    """A one-rank process group for FSDP2 in this process (``--offload`` without ``--nproc``): gloo on the CPU;
+    on CUDA nccl for the device's tensors and gloo for the host's (``"cuda:nccl,cpu:gloo"``). An in-memory
+    store: no port, no file."""
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+        backend = "cuda:nccl,cpu:gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _run_rank(rank: int, world: int, args: argparse.Namespace, error_dir: str) -> None:
@@ -344,6 +369,8 @@ def _train_and_report(cfg: TrainConfig, device: torch.device, out: Path, rank: i
     }
     print()
     print(report.format_table(results))
+    for line in report.memory_lines(results):
+        print(line)
     try:
         metrics_path = report.write_metrics(summary, out / "metrics.json")
         plot_path = report.plot_losses(results, out / "loss.png", title=f"halfadam train: {cfg.task}, {model_line}")
