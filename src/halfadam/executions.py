@@ -462,10 +462,10 @@ def _agrees(kernel: str, layout: str, fmt: StateFormat, has_master: bool, dtype:
         "interpreted" if device.type == "cpu" else "compiled"
     config = selfcheck.Config(kernel, str(device), dtype, grad_dtype, fmt, has_master, hp.decay,
                               hp.optimized_update, grad_scale is not None, layout, variant)
-    check_hp = Hyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decay=hp.decay,
-                               optimized_update=hp.optimized_update)
 
-    def run(implementation: str, case: dict) -> None:
+    def run(implementation: str, case: dict) -> None:  # called only by a check
+        check_hp = Hyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decay=hp.decay,
+                                   optimized_update=hp.optimized_update)
         params, grads, scale = case["params"], case["grads"], case["grad_scale"]
         if layout == "shard":
             pairs, offsets = list(zip(params, grads)), [2 * p.numel() for p in params]  # a third of 3 shards

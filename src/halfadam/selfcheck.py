@@ -132,10 +132,12 @@ def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
     kernel itself (it does not compile here, say) propagates and records nothing.
     """
     global _checking
-    if _checking or not enabled() or _capturing(config):
+    if _checking:
         return True
-    verdict = _verdicts.get(config)
+    verdict = _verdicts.get(config)  # every step after the first: one lookup
     if verdict is None:
+        if not enabled() or _capturing(config):
+            return True
         _checking = True
         try:
             start = time.perf_counter()
