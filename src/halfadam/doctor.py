@@ -57,16 +57,8 @@ def run(args) -> int:
     for device in devices:
         out(f"  {str(device):<10} {_describe_device(torch, device)}")
     out(f"  {'cpp':<10} {_cpp_status()}")
-    saved = os.environ.get(selfcheck.ENV)
-    os.environ[selfcheck.ENV] = "1"  # the doctor checks even where a user turned the checks off
-    try:
-        with selfcheck.recheck():  # every configuration again, those this process checked before included
-            checked, failed = _check_all(torch, devices, out)
-    finally:
-        if saved is None:
-            os.environ.pop(selfcheck.ENV, None)
-        else:
-            os.environ[selfcheck.ENV] = saved
+    with selfcheck.recheck():  # every configuration again (those checked before, and with the checks off)
+        checked, failed = _check_all(torch, devices, out)
     if not args.no_timing:
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)

@@ -99,22 +99,27 @@ class Verdict:
 
 _verdicts: Dict[Config, Verdict] = {}
 _checking = False  # a check is running: its own kernel calls are not checked
+_rechecking = False  # inside recheck(): checks run whatever the environment says
 
 
 def enabled() -> bool:
-    """Whether checks run (``HALFADAM_SELFCHECK`` is not 0/false/off/no)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether checks run (``HALFADAM_SELFCHECK`` is not 0/false/off/no, or inside :func:`recheck`)."""
+    return _rechecking or os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager
 def recheck() -> Iterator[None]:
-    """Within it, every configuration is checked again (``halfadam doctor``); afterwards the earlier
-    verdicts stand where they exist (a configuration that failed keeps failing)."""
+    """Within it, every configuration is checked again, ``HALFADAM_SELFCHECK=0`` or not (``halfadam
+    doctor``); afterwards the earlier verdicts stand where they exist (a configuration that failed keeps
+    failing)."""
+    global _rechecking
     earlier = dict(_verdicts)
     _verdicts.clear()
+    _rechecking = True
     try:
         yield
     finally:
+        _rechecking = False
         _verdicts.update(earlier)
 
 
