@@ -57,13 +57,13 @@ def _rounding(name, n, step):
 
 
 def _spec_encode(name, x, step):
-    stored = {name: torch.zeros(x.numel(), dtype=torch.uint8), f"{name}_scale": torch.zeros(x.numel() // 128, dtype=torch.uint8)}
+    stored = {name: torch.zeros(x.numel(), dtype=torch.uint8), E.scale_key(name): torch.zeros(x.numel() // 128, dtype=torch.uint8)}
     E._encode_moment_(torch.uint8, name, x.clone(), stored, E._random_bits(torch.arange(x.numel()), torch.tensor(step)))
     return stored
 
 
 def _spec_decode(name, codes, scale):
-    return E._decode_moment(torch.uint8, name, {name: codes, f"{name}_scale": scale})
+    return E._decode_moment(torch.uint8, name, {name: codes, E.scale_key(name): scale})
 
 
 def test_the_codes_compiled_in_are_the_spec():
@@ -115,7 +115,13 @@ def _boundary_values(name, base, step, n_blocks, gen):
     unit = 2.0 ** (base - 127)
     sub = k < (1 << tiers[0][0])
     shift = (7 - mantissa).long()
-    d = ((1 << 16) - rnd) << shift  # rounds up with these random bits...
+    up = (1 << 16) - rnd  # the remainder (16 bits) that rounds up with these random bits...
+    if name == "exp_avg_sq":  # ... with exp_avg_sq's extra (5 f8 (256 - f8)) >> (mantissa + 4): the least one
+        cand = up.view(-1, 1) - torch.arange(3000).view(1, -1)  # remainder + extra rises with the remainder
+        f8 = (cand >> 8) & 255
+        ok = (cand >= 0) & (cand + rnd.view(-1, 1) + ((5 * f8 * (256 - f8)) >> (mantissa.view(-1, 1).long() + 4)) >= 1 << 16)
+        up = torch.where(ok, cand, 1 << 17).amin(dim=1)
+    d = up << shift
     d = torch.where(torch.rand(n, generator=gen) < 0.5, d, d - 1)  # ... or just not
     normal = _f(v0.view(torch.int32).long() + d)
     subnormal = _f(torch.tensor(unit).view(torch.int32).long() + (k.long() << (23 - tiers[0][0])) + d) - unit
@@ -170,7 +176,7 @@ def test_encoder_is_the_spec(name, lanes):
         codes = torch.full((x.numel(),), 77, dtype=torch.uint8)
         scale = torch.full((x.numel() // 128,), 99, dtype=torch.uint8)
         kernel.encode_uint8(x, codes, scale, name == "exp_avg", step)
-        assert torch.equal(scale, want[f"{name}_scale"]), (step, (scale != want[f"{name}_scale"]).nonzero()[:5])
+        assert torch.equal(scale, want[E.scale_key(name)]), (step, (scale != want[E.scale_key(name)]).nonzero()[:5])
         bad = (codes != want[name]).nonzero().view(-1)
         assert bad.numel() == 0, (step, bad[:8].tolist(), x[bad[:8]].tolist(), codes[bad[:8]].tolist(),
                                   want[name][bad[:8]].tolist())
@@ -395,8 +401,8 @@ def test_one_kernel_step_encodes_the_fp32_state_values(dtype):
         for name in NAMES:
             want = _spec_encode(name, s32[name].reshape(-1).clone(), 1)
             assert torch.equal(s8[name].reshape(-1), want[name]), name
-            assert s8[f"{name}_scale"].shape == (a.shape[0], a[0].numel() // 128)
-            assert torch.equal(s8[f"{name}_scale"].reshape(-1), want[f"{name}_scale"]), name
+            assert s8[E.scale_key(name)].shape == (a.shape[0], a[0].numel() // 128)
+            assert torch.equal(s8[E.scale_key(name)].reshape(-1), want[E.scale_key(name)]), name
 
 
 # ---------------------------------------------------------------------------------- training

@@ -129,7 +129,7 @@ def test_grad_scaler_takes_a_finite_1e30_gradient(mode):
 
 
 def _moment_store(name, n):
-    return {name: torch.zeros(n, dtype=torch.uint8), f"{name}_scale": torch.zeros(n // 128, dtype=torch.uint8)}
+    return {name: torch.zeros(n, dtype=torch.uint8), E.scale_key(name): torch.zeros(n // 128, dtype=torch.uint8)}
 
 
 @pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
@@ -165,7 +165,7 @@ def test_uint8_encoders_take_every_float(name):
         special[x == -math.inf] = math.nan
     assert torch.equal(out[nonfinite].isnan(), special[nonfinite].isnan())
     assert torch.equal(out[nonfinite & ~special.isnan()], special[nonfinite & ~special.isnan()])
-    assert torch.equal(stored[f"{name}_scale"], ref[f"{name}_scale"])  # over the finite values
+    assert torch.equal(stored[E.scale_key(name)], ref[E.scale_key(name)])  # over the finite values
     finite = x.isfinite()
     assert torch.equal(out[finite], expect[finite])
     assert torch.equal(stored[name][finite], ref[name][finite])

@@ -1,9 +1,11 @@
-"""Checkpoints written by an older release keep loading: tests/data/state_2026-12-01/ holds optimizer
+"""Checkpoints written by older releases keep loading: tests/data/state_2026-12-01/ holds optimizer
 state that halfadam 763dbb7 (2026-12-01) wrote in the split, bf16 and compact modes (its 8-bit codes:
-a dynamic-tree exp_avg and 24-octave log2 exp_avg_sq over a float32 ``*_absmax`` per block), with the
-float32 values that release decoded from it (tests/data/make_state_2026_12_01.py wrote them). Loaded
-today, each state is decoded by its format's rules and encoded in today's: exact wherever today's
-encoding holds the value exactly, within one code step of today's 8-bit codes otherwise."""
+a dynamic-tree exp_avg and 24-octave log2 exp_avg_sq over a float32 ``*_absmax`` per block);
+tests/data/state_2026-12-06/ the compact and tiny state that 1aa0217 (2026-12-06) wrote (exp_avg_sq
+over 27 binades in ``exp_avg_sq_scale``, labelled ``v1``); each with the float32 values that release
+decoded from it (tests/data/make_state_*.py wrote them). Loaded today, each state is decoded by its
+format's rules and encoded in today's: exact wherever today's encoding holds the value exactly, within
+one code step of today's 8-bit codes otherwise."""
 
 import math
 from pathlib import Path
@@ -16,6 +18,7 @@ from halfadam import encodings as E
 from halfadam.distributed import load_checkpoint
 
 DATA = Path(__file__).parent / "data" / "state_2026-12-01"
+DATA_1206 = Path(__file__).parent / "data" / "state_2026-12-06"
 
 
 class Model(torch.nn.Module):  # the shapes and dtypes of make_state_2026_12_01.Model, values from the file
@@ -25,25 +28,30 @@ class Model(torch.nn.Module):  # the shapes and dtypes of make_state_2026_12_01.
             setattr(self, name, torch.nn.Parameter(value.clone()))
 
 
-def _saved(mode):
-    return torch.load(DATA / f"{mode}.pt", weights_only=True)
+def _saved(mode, data=DATA):
+    return torch.load(data / f"{mode}.pt", weights_only=True)
 
 
 def _same(a, b):
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
 
 
+def _rel(name):
+    """The largest relative step of today's codes of moment ``name`` (its lowest tier's mantissa bits)."""
+    return 2.0 ** -E._TIERS[name][0][0]
+
+
 def _within_a_code(new, old, name):
-    """Today's 8-bit value of an old float32 value: one of the two code values around it (at least 2
-    mantissa bits: a relative error below 1/4), or below the block's range (its subnormals: an
-    absolute error below the block's unit / 4); nan and inf as they were."""
+    """Today's 8-bit value of an old float32 value: one of the two code values around it (a relative
+    error below :func:`_rel`), or below the block's range (its subnormals: an absolute error below the
+    block's unit times that); nan and inf as they were."""
     assert torch.equal(new.isnan(), old.isnan()) and torch.equal(new.isinf(), old.isinf()), name
     finite = old.isfinite()
     err = (new[finite] - old[finite]).abs()
     blocks = old.where(finite, 0.0).abs().reshape(-1, 128).amax(1, keepdim=True)
     unit = torch.exp2(torch.floor(torch.log2(blocks)) - E._SPAN[name])  # the block's 2**(base - 127)
     unit = unit.expand(-1, 128).reshape(old.shape)[finite]
-    assert (err <= torch.maximum(old[finite].abs() / 4, unit / 4) * (1 + 1e-6)).all(), name
+    assert (err <= torch.maximum(old[finite].abs(), unit) * _rel(name) * (1 + 1e-6)).all(), name
 
 
 @pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
@@ -119,7 +127,7 @@ def _within_a_code_in_rows(new, old, name):
     err = (pad(new) - pad(old)).abs()
     blocks = pad(old).abs().reshape(-1, 128).amax(1, keepdim=True)
     unit = torch.exp2(torch.floor(torch.log2(blocks)) - E._SPAN[name]).expand(-1, 128).reshape(-1)
-    assert (err <= torch.maximum(pad(old).abs() / 4, unit / 4) * (1 + 1e-6)).all(), name
+    assert (err <= torch.maximum(pad(old).abs(), unit) * _rel(name) * (1 + 1e-6)).all(), name
 
 
 @pytest.mark.parametrize("layout", ["float32 fields", "flat blocks"])
@@ -160,3 +168,66 @@ def test_rows_with_short_blocks_load_from_older_layouts(layout):
     assert torch.equal(new["master_weight"], master)
     for key in ("exp_avg", "exp_avg_sq"):
         _within_a_code_in_rows(new[key], held[key], key)
+
+
+def _loads_as_saved(opt, model, saved):
+    for name, p in model.named_parameters():
+        st, old = opt.state[p], saved["decoded"][name]
+        assert not any(k in st for k in E.LEGACY_BLOCK_KEYS) and int(st["step"]) == 5
+        new = E.decode_state(E.format_of(st), p.detach(), st)
+        if "master_weight" in old:
+            assert _same(new["master_weight"], old["master_weight"]), name  # masters exactly
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].dtype == torch.uint8:
+                _within_a_code(new[key], old[key], key)
+            else:
+                assert _same(new[key], old[key]), (name, key)
+
+
+@pytest.mark.parametrize("mode", ["compact", "tiny"])
+@pytest.mark.parametrize("into", ["same", "fp32"])
+def test_state_dict_of_2026_12_06_loads(mode, into):
+    """A state_dict of 1aa0217 (labelled v1, exp_avg_sq in ``exp_avg_sq_scale``) loads, by name of its
+    keys decoded by the 27-binade codes, re-encoded in today's; and it steps on."""
+    saved = _saved(mode, DATA_1206)
+    first = saved["state_dict"]["state"][0]
+    assert first["step"].startswith(b"halfadam 8-bit codes v1") and "exp_avg_sq_scale" in first
+    model = Model(saved["params"])
+    opt = halfadam.AdamW(model.parameters(), lr=1e-3, state_mode=mode if into == "same" else "fp32",
+                         implementation="foreach")
+    opt.load_state_dict(saved["state_dict"])
+    _loads_as_saved(opt, model, saved)
+    if into == "same":
+        assert opt.state[model.w1]["exp_avg_sq_base"].shape == (8, 2)
+        assert opt.state_dict()["state"][0]["step"] == E.CODES_LABEL  # saved again: today's label, v2
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(p.isfinite().all() for n, p in model.named_parameters() if n != "nonfinite")
+
+
+@pytest.mark.parametrize("mode", ["compact", "tiny"])
+def test_dcp_checkpoint_of_2026_12_06_loads(mode):
+    saved = _saved(mode, DATA_1206)
+    model = Model({k: torch.zeros_like(v) for k, v in saved["params"].items()})
+    opt = halfadam.AdamW(model.parameters(), lr=1e-3, state_mode=mode)
+    load_checkpoint(str(DATA_1206 / f"{mode}.dcp"), model, opt)
+    for name, p in model.named_parameters():
+        assert _same(p.detach().float(), saved["params"][name].float()), name
+    _loads_as_saved(opt, model, saved)
+
+
+@pytest.mark.parametrize("mode", ["compact", "tiny"])
+def test_codes_of_2026_12_06_decode_as_that_release_did(mode):
+    """The kept 27-binade exp_avg_sq codes give 1aa0217's values bit for bit."""
+    saved = _saved(mode, DATA_1206)
+    for i, (name, value) in enumerate(saved["params"].items()):
+        st = E.unlabelled(saved["state_dict"]["state"][i], name)
+        st = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+        fmt = E.format_of(st)
+        assert fmt.codes == ("2026-12-02" if "exp_avg_sq_scale" in st else E.CODES)
+        got = E.decode_state(fmt, value, st)
+        for key, want in saved["decoded"][name].items():
+            assert torch.equal(got[key].view(torch.int32), want.view(torch.int32)), (name, key)
+    assert "codes of 2026-12-02" in E.PRESETS["compact"].__class__("split", torch.uint8, torch.uint8,
+                                                                   "2026-12-02").describe()

@@ -439,7 +439,7 @@ def test_split_decode_after_writes_to_the_parameter(dtype):
 
 def _moment_store(name, n, code_fill=0, scale_fill=0):
     return {name: torch.full((n,), code_fill, dtype=torch.uint8),
-            f"{name}_scale": torch.full((n // 128,), scale_fill, dtype=torch.uint8)}
+            E.scale_key(name): torch.full((n // 128,), scale_fill, dtype=torch.uint8)}
 
 
 def _encode_codes(name, x, seed=1):
@@ -449,35 +449,43 @@ def _encode_codes(name, x, seed=1):
 
 
 #: The uint8 codes' tiers as documented in halfadam.encodings (mantissa bits, binades), lowest first.
-TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((2, 8), (3, 11), (4, 8))}
+TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 15), (2, 23), (4, 8))}
+OLD_TIERS = {"exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8))}  # decoded from checkpoints of 2026-12-02..06
 
 
-def _code_values(name):
+def _code_values(name, mantissas=False):
     """Every magnitude code's value in units of the block's 2**(base - 127), float64, derived from the
     documented rule: the lowest tier's 2**m subnormals k / 2**m, then each tier's binades with 2**m
-    linear steps, then the value rounded up from the top binade."""
-    tiers = TIERS[name]
+    linear steps, then the value rounded up from the top binade. ``mantissas``: each code's tier's
+    mantissa bits instead (int64)."""
+    tiers = {**TIERS, **OLD_TIERS}[name]
     values = [k / 2 ** tiers[0][0] for k in range(2 ** tiers[0][0])]
+    bits = [tiers[0][0]] * len(values)
     binade = 0
     for m, n in tiers:
         for _ in range(n):
             values += [2.0 ** binade * (1 + f / 2 ** m) for f in range(2 ** m)]
+            bits += [m] * 2 ** m
             binade += 1
+    if mantissas:
+        return torch.tensor(bits + [tiers[-1][0]])
     return torch.tensor(values + [2.0 ** binade], dtype=torch.float64)
 
 
 def test_uint8_code_tables_as_documented():
-    assert E._TIERS == TIERS
-    assert E._SPAN == {"exp_avg": 14, "exp_avg_sq": 26}
+    assert E._TIERS == {**TIERS, **OLD_TIERS}
+    assert E._SPAN["exp_avg"] == 14 and E._SPAN["exp_avg_sq"] == 45
     assert len(_code_values("exp_avg")) == 125 and len(_code_values("exp_avg_sq")) == 253  # below the reserved
+    assert len(_code_values("exp_avg_sq@2026-12-02")) == 253
 
 
 @pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
 def test_uint8_codes_hand_derived(name):
     """Every code's value, in blocks whose largest magnitude is 1.0 (biased exponent 127: base 127 -
     span, unit 2**-span), decodes to the documented value and encodes back to itself whatever the
-    random bits (its bits below the kept ones are zero); a little below it (a 2**-12 of it), it rounds
-    up to it with every random bit set and down to the code below with none. exp_avg's sign is bit 7."""
+    random bits (its bits below the kept ones are zero); a little below it (a 2**-8 of it), it rounds
+    up to it with every random bit set and down to the code below with none (exp_avg_sq's extra
+    rounding up is below that much). exp_avg's sign is bit 7."""
     values = _code_values(name) * 2.0 ** -E._SPAN[name]
     assert values[-2] < 2.0 == values[-1] and 1.0 in values.tolist()  # the top binade is [1, 2)
     codes = torch.arange(1, len(values) - 1)  # 2.0 (the top binade rounded up) would be another block's largest
@@ -496,14 +504,14 @@ def test_uint8_codes_hand_derived(name):
     signs = torch.where(torch.arange(exact.numel()) % 3 == 0, -1.0, 1.0) if name == "exp_avg" else 1.0
     for seed in range(3):
         st = _encode_codes(name, exact * signs, seed)
-        assert st[f"{name}_scale"].tolist() == [127 - E._SPAN[name]] * blocks
+        assert st[E.scale_key(name)].tolist() == [127 - E._SPAN[name]] * blocks
         got = st[name].long()
         if name == "exp_avg":
             assert torch.equal(got[filled] >= 128, (exact * signs < 0)[filled])
             got = got % 128
         assert torch.equal(got[filled], where[filled])
         assert torch.equal(E._decode_moment(torch.uint8, name, st), exact * signs)
-    below = layout((values[codes] * (1 - 2.0 ** -12)).float())
+    below = layout((values[codes] * (1 - 2.0 ** -8)).float())
     for bits, expected in ((0xFFFFFFFF, where), (0, where - 1)):  # every random bit set (both halves), or none
         st = _moment_store(name, below.numel())
         E._encode_moment_(torch.uint8, name, below, st, torch.full((below.numel(),), bits, dtype=torch.int64))
@@ -550,8 +558,9 @@ def test_zero_filled_uint8_state_decodes_to_zero():
 @pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
 def test_uint8_codes_round_to_a_neighbour_unbiased(name):
     """Each draw decodes to one of the two code values around x (the documented values, within the
-    block's range); over S seeds the mean is within 5 standard deviations of x (per element, and for
-    the mean over all)."""
+    block's range); over S seeds the share of draws up is within 5 standard deviations of the documented
+    probability (per element, and for the mean over all): exp_avg's ``f``, the remainder's share of a
+    step (unbiased in value), exp_avg_sq's ``f + 5/16 2**-m f (1 - f)`` for a tier of m mantissa bits."""
     g = torch.Generator().manual_seed(13)
     n, seeds = 128 * 8, 400
     span = E._SPAN[name]
@@ -578,8 +587,11 @@ def test_uint8_codes_round_to_a_neighbour_unbiased(name):
     if name == "exp_avg_sq":
         x, down, up, total, n = x[~lowest], down[~lowest], up[~lowest], total[~lowest], int((~lowest).sum())
     p = (x.abs().double() - down) / (up - down).clamp(min=1e-300)
+    if name == "exp_avg_sq":  # rounds up more often: unbiased in v**(1/4), not in v
+        m = _code_values(name, mantissas=True)[i[~lowest]].double()
+        p = p + 5 / 16 * 2.0 ** -m * p * (1 - p)
     sigma = (up - down) * torch.sqrt(p * (1 - p) / seeds)
-    err = total / seeds - x.abs().double()
+    err = total / seeds - (down + p * (up - down))
     assert (err.abs() <= 5 * sigma + 1e-300).all()
     assert abs((err / (up - down).clamp(min=1e-300)).mean().item()) <= 5 * 0.5 / math.sqrt(n * seeds)
 
@@ -913,7 +925,7 @@ def test_per_block_state_on_every_parameter_with_rows(impl):
         assert {k: (v.dtype, tuple(v.shape)) for k, v in st.items() if k != "step"} == {
             "master_hi": (torch.int8, shape), "master_lo": (torch.uint8, shape), "master_tie": (torch.uint8, per_block),
             "exp_avg": (torch.uint8, shape), "exp_avg_scale": (torch.uint8, per_block),
-            "exp_avg_sq": (torch.uint8, shape), "exp_avg_sq_scale": (torch.uint8, per_block)}
+            "exp_avg_sq": (torch.uint8, shape), "exp_avg_sq_base": (torch.uint8, per_block)}
         assert (st["exp_avg_scale"] > 0).all() and (opt.master_weight(p) != p.float()).any()
     assert {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[b].items() if k != "step"} == {
         "master_weight": (torch.float32, (3,)), "exp_avg": (torch.float32, (3,)), "exp_avg_sq": (torch.float32, (3,))}
@@ -926,16 +938,16 @@ def test_per_block_state_on_every_parameter_with_rows(impl):
         assert _same_bits(opt.state[b][key], ref_opt.state[ref.b][key]), key
     # one step: the [3, 64] weight's scales are its rows' (a block of 64 each, not 128 over the flat
     # parameter): the biased float32 exponent of each row's largest moment less the span (exp_avg: 15
-    # binades, 14; exp_avg_sq: 27, 26), from the fp32 mode's exact moments; each decoded moment within
+    # binades, 14; exp_avg_sq: 46, 45), from the fp32 mode's exact moments; each decoded moment within
     # a sixteenth of its row's largest, in the top binades
     one, one_ref = _ThreeParams(), _ThreeParams()
     opt1, ref1 = _adamw(one.parameters(), "compact", impl), _adamw(one_ref.parameters(), "fp32", impl)
     _three_param_steps(one, opt1, 1)
     _three_param_steps(one_ref, ref1, 1)
-    for name, span in (("exp_avg", 14), ("exp_avg_sq", 26)):
+    for name, span in (("exp_avg", 14), ("exp_avg_sq", 45)):
         exact = ref1.state[one_ref.w2][name]
         biased = (exact.abs().amax(dim=1).view(torch.int32) >> 23)
-        assert torch.equal(opt1.state[one.w2][f"{name}_scale"].view(-1).to(torch.int32), (biased - span).clamp(min=1))
+        assert torch.equal(opt1.state[one.w2][E.scale_key(name)].view(-1).to(torch.int32), (biased - span).clamp(min=1))
         decoded = E.decode_state(E.PRESETS["compact"], one.w2.detach(), opt1.state[one.w2], (name,))[name]
         step = exact.abs().amax(dim=1, keepdim=True) / 16  # 4 mantissa bits in the top binades: below 1/16 of a binade
         assert ((decoded - exact).abs() <= step).all(), name
@@ -1115,7 +1127,7 @@ def _hand_decode(p, st):
         if q.dtype == torch.uint8:  # the documented code values (_code_values) times unit = 2**(scale - 127)
             codes = q.reshape(-1).to(torch.int64)
             k = codes % 128 if name == "exp_avg" else codes
-            unit = torch.exp2(st[f"{name}_scale"].reshape(-1).repeat_interleave(128)[:n].double() - 127)
+            unit = torch.exp2(st[E.scale_key(name)].reshape(-1).repeat_interleave(128)[:n].double() - 127)
             value = _code_values(name)[k] * unit
             if name == "exp_avg":
                 value = torch.where(codes >= 128, -value, value)
@@ -1184,7 +1196,7 @@ def _corruptions():
         del st["master_tie"]
 
     def codes_without_scale(st):
-        del st["exp_avg_sq_scale"]
+        del st["exp_avg_sq_base"]
 
     def scale_for_float_moment(st):
         st["exp_avg"] = torch.zeros(st["exp_avg"].shape)

@@ -63,7 +63,7 @@ def _spec_encode(name, x, seed, dtype=torch.uint8):
     """``encodings._encode_moment_`` of float32 ``x`` (whole blocks, positions from 0) as ``name`` in ``dtype``,
     with the random bits of step ``seed``."""
     n = x.numel()
-    stored = {name: torch.zeros(n, dtype=dtype), f"{name}_scale": torch.zeros(n // 128, dtype=torch.uint8)}
+    stored = {name: torch.zeros(n, dtype=dtype), E.scale_key(name): torch.zeros(n // 128, dtype=torch.uint8)}
     E._encode_moment_(dtype, name, x.clone(), stored, E._random_bits(torch.arange(n), torch.tensor(seed)))
     return stored
 
@@ -90,7 +90,7 @@ def _hard_values(name):
     top = torch.nextafter(torch.tensor(2.0), torch.tensor(0.0))  # rounds up to 2.0, the largest code
     codes = torch.arange(mask + 1, dtype=torch.uint8)
     codes = torch.cat([codes, codes.new_zeros(-codes.numel() % 128)])
-    stored = {name: codes, f"{name}_scale": torch.full((codes.numel() // 128,), base, dtype=torch.uint8)}
+    stored = {name: codes, E.scale_key(name): torch.full((codes.numel() // 128,), base, dtype=torch.uint8)}
     levels = E._decode_moment(torch.uint8, name, stored)
     levels = levels[levels.isfinite() & (levels <= top)]
     up, down = torch.nextafter(levels, torch.tensor(math.inf)), torch.nextafter(levels, torch.tensor(0.0))
@@ -512,7 +512,7 @@ def test_uint8_encoder_bytes_are_the_spec(name):
     for seed in (1, 977, 2 ** 32 - 3):
         want = _spec_encode(name, x, seed)
         codes, scale = (t.cpu() for t in triton_kernel.encode_uint8(name, x.to(DEVICE), seed))
-        assert torch.equal(scale, want[f"{name}_scale"])
+        assert torch.equal(scale, want[E.scale_key(name)])
         bad = (codes != want[name]).nonzero().view(-1)
         assert bad.numel() == 0, (seed, bad[:10].tolist(), x[bad[:10]].tolist(), codes[bad[:10]].tolist(),
                                   want[name][bad[:10]].tolist())
@@ -529,7 +529,7 @@ def test_uint8_decoder_every_code_over_every_scale(name):
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(256)
     scale = torch.arange(256, dtype=torch.int32).repeat_interleave(2).to(torch.uint8)
-    want = E._decode_moment(torch.uint8, name, {name: codes, f"{name}_scale": scale})
+    want = E._decode_moment(torch.uint8, name, {name: codes, E.scale_key(name): scale})
     got = triton_kernel.decode_uint8(name, codes.to(DEVICE), scale.to(DEVICE)).cpu()
     assert torch.equal(_bits(got), _bits(want))
 
@@ -590,7 +590,7 @@ def test_one_step_encodes_the_fp32_state_values(dtype):
                 assert torch.equal(o8[id(b)][name], s32[name]), name
             else:
                 assert torch.equal(o8[id(b)][name].reshape(-1), want[name][:n]), name
-                assert torch.equal(o8[id(b)][f"{name}_scale"].reshape(-1), want[f"{name}_scale"]), name
+                assert torch.equal(o8[id(b)][E.scale_key(name)].reshape(-1), want[E.scale_key(name)]), name
             want16 = _spec_encode(name, x, 1, torch.bfloat16)[name][:n]
             got16 = o16[id(c)][name].reshape(-1)
             finite = want16.isfinite()

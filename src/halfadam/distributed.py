@@ -342,7 +342,7 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
     groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
     layout = type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master != "fp32",
                        exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
-    layout.state_format = fmt  # the codes of 2026-12-01 (fmt.legacy): only loaded into, then converted
+    layout.state_format = fmt  # an earlier release's codes (fmt.legacy): only loaded into, then converted
     return layout
 
 
@@ -367,19 +367,19 @@ def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
 def _saved_format(saved: Dict[str, Any]) -> Any:
     """The state format of a checkpoint's optimizer state, from its DCP metadata (``saved``: its
     ``<key>.state.*`` entries)."""
-    from .encodings import StateFormat, master_of
+    from .encodings import StateFormat, codes_of, master_of, scale_key
 
     fields = {name.rsplit(".", 1)[-1] for name in saved}
+    codes = codes_of(fields)
 
     def moment(name: str) -> torch.dtype:
-        if f"{name}_scale" in fields or f"{name}_absmax" in fields:
+        if scale_key(name, codes) in fields:
             return torch.uint8
         dtypes = {getattr(getattr(meta, "properties", None), "dtype", None) for key_, meta in saved.items()
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    return StateFormat(master_of(fields), moment("exp_avg"), moment("exp_avg_sq"),
-                       legacy=any(f"{name}_absmax" in fields for name in ("exp_avg", "exp_avg_sq")))
+    return StateFormat(master_of(fields), moment("exp_avg"), moment("exp_avg_sq"), codes=codes)
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,

@@ -22,8 +22,8 @@ exp_avg            ``bfloat16``                         2                  no: s
 exp_avg            ``uint8``: codes + ``exp_avg_scale``   1 + 1/128        no: sign + a tapered 7-bit float
                    (uint8 per block)                                       (15 binades), stochastic rounding
 exp_avg_sq         ``float32`` / ``bfloat16``           4 / 2              yes / no (stochastic rounding)
-exp_avg_sq         ``uint8``: codes + ``..._scale``       1 + 1/128        no: a tapered 8-bit float (27
-                                                                           binades), stochastic rounding
+exp_avg_sq         ``uint8``: codes +                    1 + 1/128        no: a tapered 8-bit float (46
+                   ``exp_avg_sq_base`` (uint8 per block)                   binades), stochastic rounding
 =================  =================================  =================  ======================================
 
 Presets (:data:`PRESETS`), for a float16/bfloat16 parameter: ``"fp32"`` 12 B (the default),
@@ -78,18 +78,24 @@ The encodings:
   Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022, but with no code
   table): each block stores one uint8, its base exponent ``base = max(E - span, 1)`` for ``E`` the
   biased float32 exponent of its largest finite magnitude, and each element a code over ``unit =
-  2**(base - 127)`` whose binade ``r`` (values in ``[unit * 2**r, unit * 2**(r + 1))``) has 2, 3 or 4
+  2**(base - 127)`` whose binade ``r`` (values in ``[unit * 2**r, unit * 2**(r + 1))``) has 1 to 4
   mantissa bits, more near the block's largest value, where most of a block's values are
   (:data:`_TIERS`: a tapered float, as posits are), and below ``unit`` linear subnormals.
   ``exp_avg``: a sign bit and 7 magnitude bits over 15 binades (4 mantissa bits in the top 4, 3 in
   the next 3, 2 in the lowest 8, subnormals to 2**-17 of the largest). ``exp_avg_sq``: 8 magnitude
-  bits over 27 binades (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8); a positive value
+  bits over 46 binades (4 bits in the top 8, 2 in the next 23, 1 in the lowest 15: a gradient 2**-23
+  of its block's largest, beyond 1e6 below it, still has relative precision); a positive value
   never encodes to 0 (it would make ``m / sqrt(v)`` explode; below the range it takes the first
   code). Encoding is the float32 bits shifted right by ``23 - mantissa`` plus the tier's offset,
-  with random bits added below the kept ones (stochastic rounding, unbiased in value: an
-  ``exp_avg_sq`` rounded to nearest would freeze, its per-step decay being below half a step, and a
-  stochastically rounded ``exp_avg`` trained closer to fp32 than a nearest one); decoding is a
-  shift and a subtraction (:func:`_encode_magnitude`). So both are a few integer operations per
+  with random bits added below the kept ones (stochastic rounding: an ``exp_avg_sq`` rounded to
+  nearest would freeze, its per-step decay being below half a step, and a stochastically rounded
+  ``exp_avg`` trained closer to fp32 than a nearest one); decoding is a shift and a subtraction
+  (:func:`_encode_magnitude`). ``exp_avg`` rounds unbiased in value. ``exp_avg_sq`` rounds
+  unbiased in ``v**(1/4)``: up with probability ``f + 5/16 2**-mantissa f (1 - f)`` for the
+  remainder ``f`` (about ``f + 3/8 delta f (1 - f)``, ``delta`` the step's relative size), a shift,
+  a multiply and an add more. Unbiased in value, v's stored noise (about 12% relative) made every
+  step ``m / sqrt(v)`` about 0.5% too long (Jensen's inequality); this rule leaves +0.02%
+  (``benchmarks/moment_bias.py``). So both are a few integer operations per
   element, with relative precision all the way down to the subnormals: no element's ``exp_avg_sq``
   decodes to 0 beside a nonzero ``exp_avg`` (as linear codes of ``sqrt(exp_avg_sq)`` do), and an
   element whose gradient is 1e-4 of its block's others' still moves as in fp32 after it stops.
@@ -100,6 +106,12 @@ The encodings:
   tiers 9.0e-3 (val -0.01% of fp32, range -0.18% to +0.21%) and keep it. The codes of 2026-12-01 (a
   dynamic-tree ``exp_avg``, log2 ``exp_avg_sq`` levels over a float32 ``*_absmax``) are read from old
   checkpoints by :mod:`halfadam._codes_20261201` (:attr:`StateFormat.legacy`) and converted.
+  The codes of 2026-12-02 (:attr:`StateFormat.codes`), those tiers with ``exp_avg_sq`` over 27
+  binades (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8) in ``exp_avg_sq_scale`` and
+  rounded unbiased in value, are read by their own tiers and converted: beyond 29 binades below its
+  block's largest a nonzero ``exp_avg_sq`` was clamped up to the first code, and an element whose
+  gradient was 1e-4 of a large neighbour's took 0.14 of its fp32 movement
+  (``benchmarks/moment_probe.py``); today's 46 binades keep it within 2% up to a ratio of 1e6.
 
 Random bits are a hash of the element's position in its parameter (its index in the flattened
 parameter) and the step, one 32-bit hash per element and step: ``exp_avg`` rounds with its upper
@@ -162,10 +174,17 @@ class StateFormat:
     master: str = "fp32"
     exp_avg: torch.dtype = torch.float32
     exp_avg_sq: torch.dtype = torch.float32
-    #: uint8 moments in the codes of 2026-12-01 (a dynamic-tree / log2 table over a float32
-    #: ``*_absmax`` per block, :mod:`halfadam._codes_20261201`): read from old checkpoints, decoded
-    #: and encoded in today's codes; never stepped.
-    legacy: bool = False
+    #: The release of the uint8 codes (:data:`CODES`): today's, or an earlier one read from old
+    #: checkpoints (decoded by its own rules and encoded in today's codes; never stepped):
+    #: ``"2026-12-01"`` (a dynamic-tree / log2 table over a float32 ``*_absmax`` per block,
+    #: :mod:`halfadam._codes_20261201`), ``"2026-12-02"`` (``exp_avg_sq`` over 27 binades in
+    #: ``exp_avg_sq_scale``, :data:`_TIERS`).
+    codes: str = "2026-12-07"
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the uint8 codes are an earlier release's (only loaded into, then converted)."""
+        return self.codes != CODES
 
     @property
     def stochastic(self) -> bool:
@@ -187,7 +206,7 @@ class StateFormat:
         dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
         parts = f"master={self.master}, exp_avg={dt[self.exp_avg]}, exp_avg_sq={dt[self.exp_avg_sq]}"
         if self.legacy:
-            parts += ", the uint8 codes of 2026-12-01"
+            parts += f", the uint8 codes of {self.codes}"
         return f"{name!r} ({parts})" if name else parts
 
 
@@ -272,14 +291,24 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     if not has_rows(tuple(param.shape)):
         master = "fp32"
         exp_avg, exp_avg_sq = (torch.float32 if dt == torch.uint8 else dt for dt in (exp_avg, exp_avg_sq))
-    return StateFormat(master, exp_avg, exp_avg_sq, fmt.legacy)
+    return StateFormat(master, exp_avg, exp_avg_sq, fmt.codes)
 
 
 #: Every per-element state key of any encoding (besides ``step``), and every per-block one.
 ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq")
-BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_scale")
-#: The per-block keys of the uint8 codes of 2026-12-01 (read from old checkpoints only).
-LEGACY_BLOCK_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
+BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_base")
+#: The per-block keys of earlier releases' uint8 codes (read from old checkpoints only), by release.
+LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026-12-02": ("exp_avg_sq_scale",)}
+LEGACY_BLOCK_KEYS = tuple(k for keys in LEGACY_CODE_KEYS.values() for k in keys)
+#: Today's uint8 codes (:attr:`StateFormat.codes`).
+CODES = "2026-12-07"
+
+
+def scale_key(name: str, codes: str = CODES) -> str:
+    """The per-block key of moment ``name``'s uint8 codes of release ``codes``."""
+    if codes == "2026-12-01":
+        return f"{name}_absmax"
+    return "exp_avg_sq_base" if name == "exp_avg_sq" and codes == CODES else f"{name}_scale"
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,7 +332,7 @@ def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
         keys["master_tie"] = torch.uint8
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if dtype == torch.uint8:
-            keys.update({f"{name}_absmax": torch.float32} if fmt.legacy else {f"{name}_scale": torch.uint8})
+            keys[scale_key(name, fmt.codes)] = torch.float32 if fmt.codes == "2026-12-01" else torch.uint8
     return keys
 
 
@@ -423,14 +452,26 @@ _MAGNITUDE_MASK = {"exp_avg": 127, "exp_avg_sq": 255}
 #: lowest tier also holds subnormals below its first binade (``2**mantissa`` codes from 0, linear).
 #: exp_avg: 15 binades (the largest magnitude in the top one), 4 bits in the top 4, 3 in the next 3,
 #: 2 in the 8 below and the subnormals (to 2**-17 of the largest); codes 0..124 (124 is the value
-#: rounded up from the top binade). exp_avg_sq: 27 binades, 4 bits in the top 8, 3 in the next 11, 2 in
-#: the lowest 8; codes 0..252. Chosen by measurement (``halfadam train --task digits``, seeds 0-4,
-#: and a small element beside large ones: see the module docstring).
-_TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((2, 8), (3, 11), (4, 8))}
+#: rounded up from the top binade). exp_avg_sq: 46 binades (a gradient 2**-23 of its block's largest
+#: still has relative precision), 4 bits in the top 8, 2 in the next 23, 1 in the lowest 15; codes
+#: 0..252. Chosen by measurement (``benchmarks/moment_probe.py``, ``moment_bias.py``, ``halfadam train
+#: --task digits``: see the module docstring). ``exp_avg_sq@2026-12-02``: the 27 binades of
+#: 2026-12-02..06 (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8), decoded from old checkpoints.
+_TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 15), (2, 23), (4, 8)),
+          "exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8))}
 #: Reserved magnitude codes, the two largest (never taken by a finite value): exp_avg 126 is nan and
 #: 127 an infinity of the code's sign; exp_avg_sq 254 is +inf and 255 nan (a -inf exp_avg_sq is a nan).
-_NAN_CODE = {"exp_avg": 126, "exp_avg_sq": 255}
-_INF_CODE = {"exp_avg": 127, "exp_avg_sq": 254}
+_NAN_CODE = {"exp_avg": 126, "exp_avg_sq": 255, "exp_avg_sq@2026-12-02": 255}
+_INF_CODE = {"exp_avg": 127, "exp_avg_sq": 254, "exp_avg_sq@2026-12-02": 254}
+#: exp_avg_sq's rounding, unbiased in v**(1/4) rather than in v (:func:`_encode_magnitude`): with
+#: ``f8`` the top 8 bits of the fraction below the kept ones and ``mantissa`` the tier's bits, the
+#: 16 random bits get ``(_V_ROUNDING * f8 * (256 - f8)) >> (mantissa + 4)`` added.
+_V_ROUNDING = 5
+
+
+def _tiers_name(name: str, codes: str) -> str:
+    """The key in :data:`_TIERS` of moment ``name``'s codes of release ``codes`` (2026-12-02 or today's)."""
+    return f"{name}@{codes}" if f"{name}@{codes}" in _TIERS else name
 
 
 def _tier_table(tiers: Tuple[Tuple[int, int], ...]) -> Tuple[Tuple[Tuple[int, int, int], ...], int, int]:
@@ -486,14 +527,25 @@ def _encode_magnitude(a: Tensor, base: Tensor, rounding: Tensor, name: str) -> T
     the kept bits are ``a / unit * 2**mantissa``) less ``2**mantissa``. The random bits are added
     below the kept ones before the shift: rounding up with probability the remainder's share of a
     step, unbiased in value (a step is linear in value, also across a tier's edge: the value rounded
-    up from a binade's top is the next binade's first)."""
+    up from a binade's top is the next binade's first).
+
+    ``exp_avg_sq`` rounds up more often, by ``c = (5 f8 (256 - f8)) >> (mantissa + 4)`` added to the
+    random bits (``f8``: the top 8 bits of the remainder), so that up has probability ``f + 5/16
+    2**-mantissa f (1 - f)`` for a remainder ``f`` of a step: about ``f + 3/8 delta f (1 - f)`` for the
+    step's relative size ``delta`` (its mean over a binade), the rounding unbiased in ``v**(1/4)``. By
+    value it rounds v up (v's relative noise is about 12%); unbiased in value, the step ``m /
+    sqrt(v)`` would be about ``3/8 * 0.12**2`` (+0.5%) too long on average (Jensen's inequality)."""
     r = (a.view(torch.int32) >> 23) - base
     mantissa, offset = _tier_of(lambda r0, first: r >= r0, base, name)
     unit = (base << 23).view(torch.float32)
     sub = a < unit
     y = torch.where(sub, a + unit, a).view(torch.int32)
     m0 = _TIER_TABLE[name][0][0][0]
-    return ((y + (rounding << (7 - mantissa))) >> (23 - mantissa)) + offset - (sub.to(torch.int32) << m0)
+    kept = y >> (7 - mantissa)  # the kept bits, then 16 bits of remainder
+    if name == "exp_avg_sq":
+        f8 = (kept >> 8) & 255
+        rounding = rounding + ((_V_ROUNDING * f8 * (256 - f8)) >> (mantissa + 4))
+    return ((kept + rounding) >> 16) + offset - (sub.to(torch.int32) << m0)
 
 
 def _decode_magnitude(k: Tensor, base: Tensor, name: str) -> Tensor:
@@ -609,18 +661,18 @@ def _split8_encode_(master: Tensor, param: Tensor, hi: Tensor, rounding: Optiona
 
 
 # ---------------------------------------------------------------------------------- moments
-def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], legacy: bool = False) -> Tensor:
+def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], codes: str = CODES) -> Tensor:
     q = stored[name]
     if dtype == torch.float32:
         return q
     if dtype == torch.bfloat16:
         return q.to(torch.float32)
-    if legacy:
+    if codes == "2026-12-01":
         return _codes_20261201.decode(name, q, stored[f"{name}_absmax"])
-    base = stored[f"{name}_scale"].to(torch.int32).view(-1, 1)
+    base = stored[scale_key(name, codes)].to(torch.int32).view(-1, 1)
     code = q.to(torch.int32).view(-1, BLOCK)
     k = code & _MAGNITUDE_MASK[name]
-    value = _decode_magnitude(k, base, name)
+    value = _decode_magnitude(k, base, _tiers_name(name, codes))
     value = torch.where(k == _INF_CODE[name], math.inf, value)
     if name == "exp_avg":  # a sign bit
         value = torch.where(code > 127, -value, value)
@@ -653,7 +705,7 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
         code = torch.where(blocks > 0, torch.clamp(k, min=1), 0)
         code = torch.where(finite, code, torch.where(blocks == math.inf, _INF_CODE[name], _NAN_CODE[name]))
     stored[name].copy_(code.view(-1).to(torch.uint8))
-    stored[f"{name}_scale"].copy_(base.view(-1).to(torch.uint8))
+    stored[scale_key(name)].copy_(base.view(-1).to(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------- the step
@@ -843,7 +895,7 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
             out["master_weight"] = _split8_decode(flat_param, stored["master_hi"])
     for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
         if name in names:
-            out[name] = _decode_moment(dtype, name, stored, fmt.legacy)
+            out[name] = _decode_moment(dtype, name, stored, fmt.codes)
     return {k: _unpad(v, layout).reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
 
@@ -879,8 +931,12 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
             raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
-    legacy = any(key in state for key in LEGACY_BLOCK_KEYS)
-    return StateFormat(master_of(state), *dtypes, legacy=legacy)
+    return StateFormat(master_of(state), *dtypes, codes=codes_of(state))
+
+
+def codes_of(keys) -> str:
+    """The release of the uint8 codes that state keys (a state dict, or a set of key names) are stored in."""
+    return next((codes for codes, names in LEGACY_CODE_KEYS.items() if any(k in keys for k in names)), CODES)
 
 
 def master_of(keys) -> str:
@@ -933,9 +989,13 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
 #: The ``step`` of a state_dict entry whose moments are 8-bit codes (uint8), in place of the step
 #: count (kept under :data:`LABELLED_STEP`). torch.optim reads ``step`` as a number: its
 #: ``Adam``/``AdamW.load_state_dict`` raises ``ValueError: could not convert string to float:
-#: b'halfadam 8-bit codes v1: ...'`` instead of taking the codes for moments (and stepping with them).
-CODES_LABEL = (b"halfadam 8-bit codes v1: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
+#: b'halfadam 8-bit codes v2: ...'`` instead of taking the codes for moments (and stepping with them).
+#: v2: the codes of 2026-12-07 (``exp_avg_sq_base``); v1 (:data:`OLDER_CODES_LABELS`) labelled those of
+#: 2026-12-02 (``exp_avg_sq_scale``): the keys say which codes an entry holds, and both labels load.
+CODES_LABEL = (b"halfadam 8-bit codes v2: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
                b"or convert with to_torch_state_dict()")
+OLDER_CODES_LABELS = (b"halfadam 8-bit codes v1: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
+                      b"or convert with to_torch_state_dict()",)
 #: The key of a labelled entry's step count (the 0-d float32 tensor that ``step`` holds elsewhere).
 LABELLED_STEP = "halfadam_step"
 
@@ -971,7 +1031,7 @@ def unlabelled(entry: Dict, where: str) -> Dict:
     if not is_labelled(entry):
         return entry
     step = entry.get("step")
-    if step != CODES_LABEL:
+    if step != CODES_LABEL and step not in OLDER_CODES_LABELS:
         if isinstance(step, (bytes, str)):
             raise ValueError(f"{where}: its state is labelled {step!r}, which this version of halfadam does not "
                              f"read (it reads {CODES_LABEL[:24]!r}...); a newer halfadam wrote it? Load it with that one")
