@@ -89,7 +89,7 @@ def test_torch_refuses_a_packed_state_dict(run, cls):
     """Without the label torch loads it and steps with codes as moments (238 for -1.125)."""
     mode, msd, osd, _, _ = run
     model, _ = make(mode, seed=1)
-    with pytest.raises(ValueError, match=r"could not convert string to float: b'halfadam 8-bit codes v1: .*"
+    with pytest.raises(ValueError, match=r"could not convert string to float: b'halfadam 8-bit codes v2: .*"
                                          r"load with halfadam, or convert with to_torch_state_dict\(\)"):
         cls(model.parameters(), lr=1e-2).load_state_dict(copy.deepcopy(osd))
 
@@ -209,7 +209,7 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
         osd, msd = saved(opt.state_dict()), saved(model.state_dict())
         assert osd["state"][0]["step"] == E.CODES_LABEL
         train(model, opt, 2, start=3)
-        with pytest.raises(ValueError, match="halfadam 8-bit codes v1"):
+        with pytest.raises(ValueError, match="halfadam 8-bit codes v2"):
             torch.optim.AdamW(zero(1)[0].parameters()).load_state_dict(copy.deepcopy(osd))
         model2, opt2 = zero(1)
         model2.load_state_dict(msd)
