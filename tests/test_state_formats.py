@@ -54,6 +54,20 @@ def _within_a_code(new, old, name):
     assert (err <= torch.maximum(old[finite].abs(), unit) * _rel(name) * (1 + 1e-6)).all(), name
 
 
+def _loads_as_saved(opt, model, saved):
+    for name, p in model.named_parameters():
+        st, old = opt.state[p], saved["decoded"][name]
+        assert not any(k in st for k in E.LEGACY_BLOCK_KEYS) and int(st["step"]) == 5
+        new = E.decode_state(E.format_of(st), p.detach(), st)
+        if "master_weight" in old:
+            assert _same(new["master_weight"], old["master_weight"]), name  # masters exactly
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].dtype == torch.uint8:
+                _within_a_code(new[key], old[key], key)
+            else:
+                assert _same(new[key], old[key]), (name, key)  # float32 and bf16: exactly
+
+
 @pytest.mark.parametrize("mode", ["split", "bf16", "compact"])
 @pytest.mark.parametrize("into", ["same", "fp32"])
 def test_old_state_dict_loads(mode, into):
@@ -62,18 +76,7 @@ def test_old_state_dict_loads(mode, into):
     opt = halfadam.AdamW(model.parameters(), lr=1e-3, state_mode=mode if into == "same" else "fp32",
                          implementation="foreach")
     opt.load_state_dict(saved["state_dict"])
-    for name, p in model.named_parameters():
-        st, old = opt.state[p], saved["decoded"][name]
-        assert not any(k in st for k in E.LEGACY_BLOCK_KEYS)
-        new = E.decode_state(E.format_of(st), p.detach(), st)
-        assert int(st["step"]) == 5
-        if "master_weight" in old:
-            assert _same(new["master_weight"], old["master_weight"]), name  # masters exactly
-        for key in ("exp_avg", "exp_avg_sq"):
-            if st[key].dtype == torch.uint8:
-                _within_a_code(new[key], old[key], key)
-            else:
-                assert _same(new[key], old[key]), (name, key)  # float32 and bf16: exactly
+    _loads_as_saved(opt, model, saved)
     if mode == "compact" and into == "same":
         assert opt.state[model.w1]["exp_avg_scale"].shape == (8, 2)
     for p in model.parameters():  # and it steps on
@@ -90,15 +93,7 @@ def test_old_dcp_checkpoint_loads(into):
     load_checkpoint(str(DATA / "compact.dcp"), model, opt)
     for name, p in model.named_parameters():
         assert _same(p.detach().float(), saved["params"][name].float()), name
-        st, old = opt.state[p], saved["decoded"][name]
-        new = E.decode_state(E.format_of(st), p.detach(), st)
-        if "master_weight" in old:
-            assert _same(new["master_weight"], old["master_weight"]), name
-        for key in ("exp_avg", "exp_avg_sq"):
-            if st[key].dtype == torch.uint8:
-                _within_a_code(new[key], old[key], key)
-            else:
-                assert _same(new[key], old[key]), (name, key)
+    _loads_as_saved(opt, model, saved)
 
 
 def test_old_codes_decode_as_that_release_did():
@@ -169,19 +164,6 @@ def test_rows_with_short_blocks_load_from_older_layouts(layout):
     for key in ("exp_avg", "exp_avg_sq"):
         _within_a_code_in_rows(new[key], held[key], key)
 
-
-def _loads_as_saved(opt, model, saved):
-    for name, p in model.named_parameters():
-        st, old = opt.state[p], saved["decoded"][name]
-        assert not any(k in st for k in E.LEGACY_BLOCK_KEYS) and int(st["step"]) == 5
-        new = E.decode_state(E.format_of(st), p.detach(), st)
-        if "master_weight" in old:
-            assert _same(new["master_weight"], old["master_weight"]), name  # masters exactly
-        for key in ("exp_avg", "exp_avg_sq"):
-            if st[key].dtype == torch.uint8:
-                _within_a_code(new[key], old[key], key)
-            else:
-                assert _same(new[key], old[key]), (name, key)
 
 
 @pytest.mark.parametrize("mode", ["compact", "tiny"])

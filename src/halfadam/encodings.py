@@ -179,7 +179,7 @@ class StateFormat:
     #: ``"2026-12-01"`` (a dynamic-tree / log2 table over a float32 ``*_absmax`` per block,
     #: :mod:`halfadam._codes_20261201`), ``"2026-12-02"`` (``exp_avg_sq`` over 27 binades in
     #: ``exp_avg_sq_scale``, :data:`_TIERS`).
-    codes: str = "2026-12-07"
+    codes: str = "2026-12-07"  # CODES
 
     @property
     def legacy(self) -> bool:
@@ -302,6 +302,7 @@ LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026
 LEGACY_BLOCK_KEYS = tuple(k for keys in LEGACY_CODE_KEYS.values() for k in keys)
 #: Today's uint8 codes (:attr:`StateFormat.codes`).
 CODES = "2026-12-07"
+assert StateFormat().codes == CODES
 
 
 def scale_key(name: str, codes: str = CODES) -> str:
@@ -992,10 +993,10 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
 #: b'halfadam 8-bit codes v2: ...'`` instead of taking the codes for moments (and stepping with them).
 #: v2: the codes of 2026-12-07 (``exp_avg_sq_base``); v1 (:data:`OLDER_CODES_LABELS`) labelled those of
 #: 2026-12-02 (``exp_avg_sq_scale``): the keys say which codes an entry holds, and both labels load.
-CODES_LABEL = (b"halfadam 8-bit codes v2: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
-               b"or convert with to_torch_state_dict()")
-OLDER_CODES_LABELS = (b"halfadam 8-bit codes v1: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
-                      b"or convert with to_torch_state_dict()",)
+_LABEL = (b"halfadam 8-bit codes v%d: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
+          b"or convert with to_torch_state_dict()")
+CODES_LABEL = _LABEL % 2
+OLDER_CODES_LABELS = (_LABEL % 1,)
 #: The key of a labelled entry's step count (the 0-d float32 tensor that ``step`` holds elsewhere).
 LABELLED_STEP = "halfadam_step"
 
