@@ -1,16 +1,19 @@
-"""Writes tests/data/state_2026-12-06/: optimizer checkpoints in the 8-bit encodings of halfadam as of
-commit 1aa0217 (2026-12-06: tapered-float codes over a uint8 base exponent per block, ``exp_avg_sq``
-over 27 binades in ``exp_avg_sq_scale``, labelled ``halfadam 8-bit codes v1``), kept as test data so
-that later releases are tested against files the old one wrote (``tests/test_state_formats.py``). Run
-with that release only:
+"""Writes tests/data/<DIR>/: optimizer checkpoints in the 8-bit encodings of the halfadam release on the
+path, kept as test data so that later releases are tested against files an old one wrote
+(``tests/test_state_formats.py``). Each directory was written by one release and is never rewritten:
 
-    git worktree add /tmp/old 1aa0217 && PYTHONPATH=/tmp/old/src python tests/data/make_state_2026_12_06.py
+- state_2026-12-06: commit 1aa0217 (``exp_avg_sq`` over 27 binades in ``exp_avg_sq_scale``, labelled
+  ``halfadam 8-bit codes v1``);
+- state_2026-12-07: commit 8d467ef (``exp_avg_sq`` over 46 binades in ``exp_avg_sq_base``, labelled v2).
+
+    git worktree add /tmp/old <commit> && PYTHONPATH=/tmp/old/src python tests/data/make_state.py <DIR>
 
 Each ``<mode>.pt`` holds the model's parameters, ``optimizer.state_dict()`` and, per parameter, the
 float32 values that release decoded from it (``decoded``); ``compact.dcp`` and ``tiny.dcp`` are the
 same states as ``halfadam.distributed.save_checkpoint`` directories.
 """
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +22,7 @@ import halfadam
 from halfadam import encodings
 from halfadam.distributed import save_checkpoint
 
-OUT = Path(__file__).with_name("state_2026-12-06")
+OUT = Path(__file__).with_name(sys.argv[1] if len(sys.argv) > 1 else "state")
 
 
 class Model(torch.nn.Module):
