@@ -240,7 +240,7 @@ def _call(kernel, params, grads, stored, offsets, block_offsets, row_lengths):
     (dict(block_offsets=[0, -1]), r"block_offsets\[1\] = -1"),
     (dict(row_lengths=[200, 1]), r"block_offsets\[1\] = 10: params\[1\]'s 63 blocks do not fit"),
     (dict(offsets=[0, 1000]), r"offsets\[1\] out of range"),
-    (dict(scale_blocks=16), r"master_tie, exp_avg_scale and exp_avg_sq_base differ in length"),
+    (dict(scale_blocks=16), r"master_tie, exp_avg_scale and exp_avg_sq_exponent differ in length"),
 ])
 def test_adam_step_bad_layout_raises_and_writes_nothing(change, message):
     """A layout argument that does not fit (the message names it), even of a later parameter: nothing
@@ -254,7 +254,7 @@ def test_adam_step_bad_layout_raises_and_writes_nothing(change, message):
     scale_blocks = change.pop("scale_blocks", 17)
     args.update(change)
     stored = _random_flat(fmt, True, 1024 + 128, 17, gen)
-    stored["exp_avg_sq_base"] = stored["exp_avg_sq_base"][:scale_blocks].clone()
+    stored["exp_avg_sq_exponent"] = stored["exp_avg_sq_exponent"][:scale_blocks].clone()
     params = [_values(s, torch.bfloat16, gen) for s in shapes]
     grads = [_gradient(s, gen) for s in shapes]
     before = ([p.clone() for p in params], {k: v.clone() for k, v in stored.items()})
@@ -338,7 +338,7 @@ def test_training_with_short_blocks_is_the_reference(mode, dtype):
     st = opt.state[params[SHAPES.index((33, 129))]]
     assert st["master_tie"].shape == (33, 2)
     if mode == "compact":
-        assert st["exp_avg_scale"].shape == st["exp_avg_sq_base"].shape == (33, 2)
+        assert st["exp_avg_scale"].shape == st["exp_avg_sq_exponent"].shape == (33, 2)
 
 
 @pytest.mark.parametrize("mode", ["compact", "bf16"])

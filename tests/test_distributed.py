@@ -600,7 +600,7 @@ def test_state_modes_ddp_zero_fsdp(runs):
     for r in result(runs, "state_modes"):
         assert r["replicas_equal"]
         assert r["zero_equal_ddp"]  # each ZeRO rank encodes its own shard's state exactly as DDP does
-        assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_base",
+        assert r["ddp_state_keys"] == ["exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_exponent",
                                        "master_hi", "master_lo", "master_tie", "step"]
         assert r["fsdp_equal_unsharded"] and r["fsdp_equal_unsharded_state"]
         # both weights keep uint8 moments (the [3, 16] one in rows of one short block), the 1-D biases float32 ones

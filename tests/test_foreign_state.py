@@ -89,7 +89,7 @@ def test_torch_refuses_a_packed_state_dict(run, cls):
     """Without the label torch loads it and steps with codes as moments (238 for -1.125)."""
     mode, msd, osd, _, _ = run
     model, _ = make(mode, seed=1)
-    with pytest.raises(ValueError, match=r"could not convert string to float: b'halfadam 8-bit codes v2: .*"
+    with pytest.raises(ValueError, match=r"could not convert string to float: b'halfadam 8-bit codes v3: .*"
                                          r"load with halfadam, or convert with to_torch_state_dict\(\)"):
         cls(model.parameters(), lr=1e-2).load_state_dict(copy.deepcopy(osd))
 
@@ -113,7 +113,7 @@ def test_a_dict_saved_before_the_label_still_loads(run):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(step=b"halfadam 8-bit codes v2: something new"), r"is labelled b'halfadam 8-bit codes v2: something new', "
+    (dict(step=b"halfadam 8-bit codes v3: something new"), r"is labelled b'halfadam 8-bit codes v3: something new', "
                                                            r"which this version of halfadam does not read"),
     (dict(step="another library's state"), r"is labelled \"another library's state\", which this version"),
     (dict(step=torch.tensor(3.0)), r"has a 'halfadam_step' but no label in 'step'"),
@@ -209,7 +209,7 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
         osd, msd = saved(opt.state_dict()), saved(model.state_dict())
         assert osd["state"][0]["step"] == E.CODES_LABEL
         train(model, opt, 2, start=3)
-        with pytest.raises(ValueError, match="halfadam 8-bit codes v2"):
+        with pytest.raises(ValueError, match="halfadam 8-bit codes v3"):
             torch.optim.AdamW(zero(1)[0].parameters()).load_state_dict(copy.deepcopy(osd))
         model2, opt2 = zero(1)
         model2.load_state_dict(msd)
@@ -218,11 +218,11 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
         assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
         bad = copy.deepcopy(osd)
-        bad["state"][0]["step"] = b"halfadam 8-bit codes v2"
+        bad["state"][0]["step"] = b"halfadam 8-bit codes v3"
         model3, opt3 = zero(1)
         opt3.load_state_dict(bad)  # torch's: as it is
         with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: its state is labelled "
-                                             r"b'halfadam 8-bit codes v2'"):
+                                             r"b'halfadam 8-bit codes v3'"):
             train(model3, opt3, 1)
     finally:
         dist.destroy_process_group()

@@ -279,7 +279,7 @@ def test_sharded_state_is_bitwise_the_unsharded_one(runs, case):
     expected = runs[1][case]
     mode, dtype = case
     if mode == "compact" and dtype != "fp32":  # the per-block state really is there, and sharded with its rows
-        assert {"0.weight.exp_avg_sq_base", "0.weight.master_tie", "4.weight.exp_avg_scale",
+        assert {"0.weight.exp_avg_sq_exponent", "0.weight.master_tie", "4.weight.exp_avg_scale",
                 "0.bias.master_weight", "2.weight.master_tie", "2.weight.exp_avg_scale"} <= set(expected)
         assert tuple(expected["0.weight.exp_avg_scale"].shape) == (9, 3)
         assert tuple(expected["2.weight.exp_avg_scale"].shape) == (128, 1)  # rows of 9: one short block each

@@ -164,7 +164,7 @@ def test_the_triton_kernel_is_checked_under_the_interpreter(broken, monkeypatch)
     ref_opt = halfadam.AdamW(reference, lr=1e-3, state_mode="compact", implementation="foreach")
     _train(reference, ref_opt, 2)
     if broken:
-        _flip_after(monkeypatch, "triton", "exp_avg_sq_base", element=1)
+        _flip_after(monkeypatch, "triton", "exp_avg_sq_exponent", element=1)
     params = _model(torch.bfloat16)[:2]
     opt = halfadam.AdamW(params, lr=1e-3, state_mode="compact", implementation="triton")
     with warnings.catch_warnings(record=True) as caught:

@@ -2,7 +2,8 @@
 state that halfadam 763dbb7 (2026-12-01) wrote in the split, bf16 and compact modes (its 8-bit codes:
 a dynamic-tree exp_avg and 24-octave log2 exp_avg_sq over a float32 ``*_absmax`` per block);
 tests/data/state_2026-12-06/ the compact and tiny state that 1aa0217 (2026-12-06) wrote (exp_avg_sq
-over 27 binades in ``exp_avg_sq_scale``, labelled ``v1``); each with the float32 values that release
+over 27 binades in ``exp_avg_sq_scale``, labelled ``v1``), and tests/data/state_2026-12-07/ that of 8d467ef
+(2026-12-07: 46 binades in ``exp_avg_sq_base``, ``v2``); each with the float32 values that release
 decoded from it (tests/data/make_state_*.py wrote them). Loaded today, each state is decoded by its
 format's rules and encoded in today's: exact wherever today's encoding holds the value exactly, within
 one code step of today's 8-bit codes otherwise."""
@@ -18,7 +19,6 @@ from halfadam import encodings as E
 from halfadam.distributed import load_checkpoint
 
 DATA = Path(__file__).parent / "data" / "state_2026-12-01"
-DATA_1206 = Path(__file__).parent / "data" / "state_2026-12-06"
 
 
 class Model(torch.nn.Module):  # the shapes and dtypes of make_state_2026_12_01.Model, values from the file
@@ -166,50 +166,64 @@ def test_rows_with_short_blocks_load_from_older_layouts(layout):
 
 
 
+#: The compact and tiny checkpoints of releases with tapered codes: their directory, their label's version,
+#: their exp_avg_sq's per-block key and its codes (:attr:`halfadam.encodings.StateFormat.codes`).
+TAPERED = {"1aa0217": ("state_2026-12-06", 1, "exp_avg_sq_scale", "2026-12-02"),
+           "8d467ef": ("state_2026-12-07", 2, "exp_avg_sq_base", "2026-12-07")}
+tapered = pytest.mark.parametrize("release", list(TAPERED))
+
+
+@tapered
 @pytest.mark.parametrize("mode", ["compact", "tiny"])
 @pytest.mark.parametrize("into", ["same", "fp32"])
-def test_state_dict_of_2026_12_06_loads(mode, into):
-    """A state_dict of 1aa0217 (labelled v1, exp_avg_sq in ``exp_avg_sq_scale``) loads, by name of its
-    keys decoded by the 27-binade codes, re-encoded in today's; and it steps on."""
-    saved = _saved(mode, DATA_1206)
+def test_state_dict_of_tapered_codes_loads(release, mode, into):
+    """A state_dict of 1aa0217 (labelled v1, exp_avg_sq in ``exp_avg_sq_scale``) or of 8d467ef (v2,
+    ``exp_avg_sq_base``) loads, by name of its keys decoded by its release's codes, re-encoded in today's;
+    and it steps on."""
+    folder, label, key, _ = TAPERED[release]
+    saved = _saved(mode, DATA.parent / folder)
     first = saved["state_dict"]["state"][0]
-    assert first["step"].startswith(b"halfadam 8-bit codes v1") and "exp_avg_sq_scale" in first
+    assert first["step"].startswith(b"halfadam 8-bit codes v%d" % label) and key in first
     model = Model(saved["params"])
     opt = halfadam.AdamW(model.parameters(), lr=1e-3, state_mode=mode if into == "same" else "fp32",
                          implementation="foreach")
     opt.load_state_dict(saved["state_dict"])
     _loads_as_saved(opt, model, saved)
     if into == "same":
-        assert opt.state[model.w1]["exp_avg_sq_base"].shape == (8, 2)
-        assert opt.state_dict()["state"][0]["step"] == E.CODES_LABEL  # saved again: today's label, v2
+        assert opt.state[model.w1]["exp_avg_sq_exponent"].shape == (8, 2)
+        assert opt.state_dict()["state"][0]["step"] == E.CODES_LABEL  # saved again: today's label, v3
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
     assert all(p.isfinite().all() for n, p in model.named_parameters() if n != "nonfinite")
 
 
+@tapered
 @pytest.mark.parametrize("mode", ["compact", "tiny"])
-def test_dcp_checkpoint_of_2026_12_06_loads(mode):
-    saved = _saved(mode, DATA_1206)
+def test_dcp_checkpoint_of_tapered_codes_loads(release, mode):
+    folder = DATA.parent / TAPERED[release][0]
+    saved = _saved(mode, folder)
     model = Model({k: torch.zeros_like(v) for k, v in saved["params"].items()})
     opt = halfadam.AdamW(model.parameters(), lr=1e-3, state_mode=mode)
-    load_checkpoint(str(DATA_1206 / f"{mode}.dcp"), model, opt)
+    load_checkpoint(str(folder / f"{mode}.dcp"), model, opt)
     for name, p in model.named_parameters():
         assert _same(p.detach().float(), saved["params"][name].float()), name
     _loads_as_saved(opt, model, saved)
 
 
+@tapered
 @pytest.mark.parametrize("mode", ["compact", "tiny"])
-def test_codes_of_2026_12_06_decode_as_that_release_did(mode):
-    """The kept 27-binade exp_avg_sq codes give 1aa0217's values bit for bit."""
-    saved = _saved(mode, DATA_1206)
+def test_tapered_codes_decode_as_their_release_did(release, mode):
+    """The kept tiers of each release's exp_avg_sq codes give that release's values bit for bit."""
+    folder, _, key, codes = TAPERED[release]
+    saved = _saved(mode, DATA.parent / folder)
     for i, (name, value) in enumerate(saved["params"].items()):
         st = E.unlabelled(saved["state_dict"]["state"][i], name)
         st = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
         fmt = E.format_of(st)
-        assert fmt.codes == ("2026-12-02" if "exp_avg_sq_scale" in st else E.CODES)
+        assert fmt.codes == (codes if key in st else E.CODES)
         got = E.decode_state(fmt, value, st)
-        for key, want in saved["decoded"][name].items():
-            assert torch.equal(got[key].view(torch.int32), want.view(torch.int32)), (name, key)
-    assert "codes of 2026-12-02" in E.PRESETS["compact"].__class__("split", torch.uint8, torch.uint8,
-                                                                   "2026-12-02").describe()
+        for k, want in saved["decoded"][name].items():
+            assert torch.equal(got[k].view(torch.int32), want.view(torch.int32)), (name, k)
+    assert f"codes of {codes}" in E.PRESETS["compact"].__class__("split", torch.uint8, torch.uint8,
+                                                                codes).describe()

@@ -449,8 +449,9 @@ def _encode_codes(name, x, seed=1):
 
 
 #: The uint8 codes' tiers as documented in halfadam.encodings (mantissa bits, binades), lowest first.
-TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 15), (2, 23), (4, 8))}
-OLD_TIERS = {"exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8))}  # decoded from checkpoints of 2026-12-02..06
+TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 29), (3, 8), (4, 8))}
+OLD_TIERS = {"exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8)),  # decoded from checkpoints of 2026-12-02..06
+             "exp_avg_sq@2026-12-07": ((1, 15), (2, 23), (4, 8))}  # and of 2026-12-07
 
 
 def _code_values(name, mantissas=False):
@@ -474,9 +475,9 @@ def _code_values(name, mantissas=False):
 
 def test_uint8_code_tables_as_documented():
     assert E._TIERS == {**TIERS, **OLD_TIERS}
-    assert E._SPAN["exp_avg"] == 14 and E._SPAN["exp_avg_sq"] == 45
+    assert E._SPAN["exp_avg"] == 14 and E._SPAN["exp_avg_sq"] == 44
     assert len(_code_values("exp_avg")) == 125 and len(_code_values("exp_avg_sq")) == 253  # below the reserved
-    assert len(_code_values("exp_avg_sq@2026-12-02")) == 253
+    assert len(_code_values("exp_avg_sq@2026-12-02")) == len(_code_values("exp_avg_sq@2026-12-07")) == 253
 
 
 @pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq"])
@@ -560,7 +561,8 @@ def test_uint8_codes_round_to_a_neighbour_unbiased(name):
     """Each draw decodes to one of the two code values around x (the documented values, within the
     block's range); over S seeds the share of draws up is within 5 standard deviations of the documented
     probability (per element, and for the mean over all): exp_avg's ``f``, the remainder's share of a
-    step (unbiased in value), exp_avg_sq's ``f + 5/16 2**-m f (1 - f)`` for a tier of m mantissa bits."""
+    step (unbiased in value), exp_avg_sq's ``f + 5 f (1 - f) / 2**max(m + 4, 6)``
+    (``5/16 2**-m f (1 - f)``, 5/64 for m = 1) for a tier of m mantissa bits."""
     g = torch.Generator().manual_seed(13)
     n, seeds = 128 * 8, 400
     span = E._SPAN[name]
@@ -589,7 +591,7 @@ def test_uint8_codes_round_to_a_neighbour_unbiased(name):
     p = (x.abs().double() - down) / (up - down).clamp(min=1e-300)
     if name == "exp_avg_sq":  # rounds up more often: unbiased in v**(1/4), not in v
         m = _code_values(name, mantissas=True)[i[~lowest]].double()
-        p = p + 5 / 16 * 2.0 ** -m * p * (1 - p)
+        p = p + 5 * p * (1 - p) / 2.0 ** torch.clamp(m + 4, min=6)
     sigma = (up - down) * torch.sqrt(p * (1 - p) / seeds)
     err = total / seeds - (down + p * (up - down))
     assert (err.abs() <= 5 * sigma + 1e-300).all()
@@ -925,7 +927,7 @@ def test_per_block_state_on_every_parameter_with_rows(impl):
         assert {k: (v.dtype, tuple(v.shape)) for k, v in st.items() if k != "step"} == {
             "master_hi": (torch.int8, shape), "master_lo": (torch.uint8, shape), "master_tie": (torch.uint8, per_block),
             "exp_avg": (torch.uint8, shape), "exp_avg_scale": (torch.uint8, per_block),
-            "exp_avg_sq": (torch.uint8, shape), "exp_avg_sq_base": (torch.uint8, per_block)}
+            "exp_avg_sq": (torch.uint8, shape), "exp_avg_sq_exponent": (torch.uint8, per_block)}
         assert (st["exp_avg_scale"] > 0).all() and (opt.master_weight(p) != p.float()).any()
     assert {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[b].items() if k != "step"} == {
         "master_weight": (torch.float32, (3,)), "exp_avg": (torch.float32, (3,)), "exp_avg_sq": (torch.float32, (3,))}
@@ -938,13 +940,13 @@ def test_per_block_state_on_every_parameter_with_rows(impl):
         assert _same_bits(opt.state[b][key], ref_opt.state[ref.b][key]), key
     # one step: the [3, 64] weight's scales are its rows' (a block of 64 each, not 128 over the flat
     # parameter): the biased float32 exponent of each row's largest moment less the span (exp_avg: 15
-    # binades, 14; exp_avg_sq: 46, 45), from the fp32 mode's exact moments; each decoded moment within
+    # binades, 14; exp_avg_sq: 45, 44), from the fp32 mode's exact moments; each decoded moment within
     # a sixteenth of its row's largest, in the top binades
     one, one_ref = _ThreeParams(), _ThreeParams()
     opt1, ref1 = _adamw(one.parameters(), "compact", impl), _adamw(one_ref.parameters(), "fp32", impl)
     _three_param_steps(one, opt1, 1)
     _three_param_steps(one_ref, ref1, 1)
-    for name, span in (("exp_avg", 14), ("exp_avg_sq", 45)):
+    for name, span in (("exp_avg", 14), ("exp_avg_sq", 44)):
         exact = ref1.state[one_ref.w2][name]
         biased = (exact.abs().amax(dim=1).view(torch.int32) >> 23)
         assert torch.equal(opt1.state[one.w2][E.scale_key(name)].view(-1).to(torch.int32), (biased - span).clamp(min=1))
@@ -1196,7 +1198,7 @@ def _corruptions():
         del st["master_tie"]
 
     def codes_without_scale(st):
-        del st["exp_avg_sq_base"]
+        del st["exp_avg_sq_exponent"]
 
     def scale_for_float_moment(st):
         st["exp_avg"] = torch.zeros(st["exp_avg"].shape)

@@ -22,8 +22,9 @@ exp_avg            ``bfloat16``                         2                  no: s
 exp_avg            ``uint8``: codes + ``exp_avg_scale``   1 + 1/128        no: sign + a tapered 7-bit float
                    (uint8 per block)                                       (15 binades), stochastic rounding
 exp_avg_sq         ``float32`` / ``bfloat16``           4 / 2              yes / no (stochastic rounding)
-exp_avg_sq         ``uint8``: codes +                    1 + 1/128        no: a tapered 8-bit float (46
-                   ``exp_avg_sq_base`` (uint8 per block)                   binades), stochastic rounding
+exp_avg_sq         ``uint8``: codes +                   1 + 1/128          no: a tapered 8-bit float (45
+                   ``exp_avg_sq_exponent``                               binades), stochastic rounding
+                   (uint8 per block)
 =================  =================================  =================  ======================================
 
 Presets (:data:`PRESETS`), for a float16/bfloat16 parameter: ``"fp32"`` 12 B (the default),
@@ -83,7 +84,7 @@ The encodings:
   (:data:`_TIERS`: a tapered float, as posits are), and below ``unit`` linear subnormals.
   ``exp_avg``: a sign bit and 7 magnitude bits over 15 binades (4 mantissa bits in the top 4, 3 in
   the next 3, 2 in the lowest 8, subnormals to 2**-17 of the largest). ``exp_avg_sq``: 8 magnitude
-  bits over 46 binades (4 bits in the top 8, 2 in the next 23, 1 in the lowest 15: a gradient 2**-23
+  bits over 45 binades (4 bits in the top 8, 3 in the next 8, 1 in the lowest 29: a gradient 2**-22
   of its block's largest, beyond 1e6 below it, still has relative precision); a positive value
   never encodes to 0 (it would make ``m / sqrt(v)`` explode; below the range it takes the first
   code). Encoding is the float32 bits shifted right by ``23 - mantissa`` plus the tier's offset,
@@ -111,7 +112,11 @@ The encodings:
   rounded unbiased in value, are read by their own tiers and converted: beyond 29 binades below its
   block's largest a nonzero ``exp_avg_sq`` was clamped up to the first code, and an element whose
   gradient was 1e-4 of a large neighbour's took 0.14 of its fp32 movement
-  (``benchmarks/moment_probe.py``); today's 46 binades keep it within 2% up to a ratio of 1e6.
+  (``benchmarks/moment_probe.py``). Those of 2026-12-07 (``exp_avg_sq`` over 46 binades, 4 bits in
+  the top 8, 2 in the next 23, 1 in the lowest 15, in ``exp_avg_sq_base``) kept it but trained digits
+  1.18x further from fp32 (2 bits where the first layer's v mostly lies, 8-20 binades below its
+  block's largest); today's (3 bits there) 1.03x, and keep every element within 2% of its fp32
+  movement up to a gradient ratio of 1e6 (``benchmarks/moment_probe.py``).
 
 Random bits are a hash of the element's position in its parameter (its index in the flattened
 parameter) and the step, one 32-bit hash per element and step: ``exp_avg`` rounds with its upper
@@ -178,8 +183,8 @@ class StateFormat:
     #: checkpoints (decoded by its own rules and encoded in today's codes; never stepped):
     #: ``"2026-12-01"`` (a dynamic-tree / log2 table over a float32 ``*_absmax`` per block,
     #: :mod:`halfadam._codes_20261201`), ``"2026-12-02"`` (``exp_avg_sq`` over 27 binades in
-    #: ``exp_avg_sq_scale``, :data:`_TIERS`).
-    codes: str = "2026-12-07"  # CODES
+    #: ``exp_avg_sq_scale``, :data:`_TIERS`), ``"2026-12-07"`` (over 46 binades in ``exp_avg_sq_base``).
+    codes: str = "2026-12-07b"  # CODES
 
     @property
     def legacy(self) -> bool:
@@ -296,20 +301,26 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
 
 #: Every per-element state key of any encoding (besides ``step``), and every per-block one.
 ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq")
-BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_base")
+BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_exponent")
 #: The per-block keys of earlier releases' uint8 codes (read from old checkpoints only), by release.
-LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026-12-02": ("exp_avg_sq_scale",)}
+LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026-12-02": ("exp_avg_sq_scale",),
+                    "2026-12-07": ("exp_avg_sq_base",)}
 LEGACY_BLOCK_KEYS = tuple(k for keys in LEGACY_CODE_KEYS.values() for k in keys)
 #: Today's uint8 codes (:attr:`StateFormat.codes`).
-CODES = "2026-12-07"
+CODES = "2026-12-07b"
 assert StateFormat().codes == CODES
+
+
+#: ``exp_avg_sq``'s per-block key of each earlier release of the tapered codes (today's: ``exp_avg_sq_exponent``).
+_V_SCALE_KEYS = {"2026-12-02": "exp_avg_sq_scale", "2026-12-07": "exp_avg_sq_base"}
 
 
 def scale_key(name: str, codes: str = CODES) -> str:
     """The per-block key of moment ``name``'s uint8 codes of release ``codes``."""
     if codes == "2026-12-01":
         return f"{name}_absmax"
-    return "exp_avg_sq_base" if name == "exp_avg_sq" and codes == CODES else f"{name}_scale"
+    return _V_SCALE_KEYS.get(codes, "exp_avg_sq_exponent") if name == "exp_avg_sq" else f"{name}_scale"
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -453,25 +464,31 @@ _MAGNITUDE_MASK = {"exp_avg": 127, "exp_avg_sq": 255}
 #: lowest tier also holds subnormals below its first binade (``2**mantissa`` codes from 0, linear).
 #: exp_avg: 15 binades (the largest magnitude in the top one), 4 bits in the top 4, 3 in the next 3,
 #: 2 in the 8 below and the subnormals (to 2**-17 of the largest); codes 0..124 (124 is the value
-#: rounded up from the top binade). exp_avg_sq: 46 binades (a gradient 2**-23 of its block's largest
-#: still has relative precision), 4 bits in the top 8, 2 in the next 23, 1 in the lowest 15; codes
+#: rounded up from the top binade). exp_avg_sq: 45 binades (a gradient 2**-22 of its block's largest
+#: still has relative precision), 4 bits in the top 8, 3 in the next 8, 1 in the lowest 29; codes
 #: 0..252. Chosen by measurement (``benchmarks/moment_probe.py``, ``moment_bias.py``, ``halfadam train
-#: --task digits``: see the module docstring). ``exp_avg_sq@2026-12-02``: the 27 binades of
-#: 2026-12-02..06 (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8), decoded from old checkpoints.
-_TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 15), (2, 23), (4, 8)),
-          "exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8))}
+#: --task digits``: see the module docstring). Decoded from old checkpoints: ``exp_avg_sq@2026-12-02``,
+#: the 27 binades of 2026-12-02..06 (4 bits in the top 8, 3 in the next 11, 2 in the lowest 8), and
+#: ``exp_avg_sq@2026-12-07``, the 46 of 2026-12-07 (4 bits in the top 8, 2 in the next 23, 1 in the lowest 15).
+_TIERS = {"exp_avg": ((2, 8), (3, 3), (4, 4)), "exp_avg_sq": ((1, 29), (3, 8), (4, 8)),
+          "exp_avg_sq@2026-12-02": ((2, 8), (3, 11), (4, 8)), "exp_avg_sq@2026-12-07": ((1, 15), (2, 23), (4, 8))}
 #: Reserved magnitude codes, the two largest (never taken by a finite value): exp_avg 126 is nan and
 #: 127 an infinity of the code's sign; exp_avg_sq 254 is +inf and 255 nan (a -inf exp_avg_sq is a nan).
-_NAN_CODE = {"exp_avg": 126, "exp_avg_sq": 255, "exp_avg_sq@2026-12-02": 255}
-_INF_CODE = {"exp_avg": 127, "exp_avg_sq": 254, "exp_avg_sq@2026-12-02": 254}
+_NAN_CODE = {"exp_avg": 126, **{name: 255 for name in _TIERS if name.startswith("exp_avg_sq")}}
+_INF_CODE = {"exp_avg": 127, **{name: 254 for name in _TIERS if name.startswith("exp_avg_sq")}}
 #: exp_avg_sq's rounding, unbiased in v**(1/4) rather than in v (:func:`_encode_magnitude`): with
 #: ``f8`` the top 8 bits of the fraction below the kept ones and ``mantissa`` the tier's bits, the
-#: 16 random bits get ``(_V_ROUNDING * f8 * (256 - f8)) >> (mantissa + 4)`` added.
+#: 16 random bits get ``(_V_ROUNDING * f8 * (256 - f8)) >> max(mantissa + 4, _V_ROUNDING_MIN_SHIFT)``
+#: added. The floor halves the term in the 1-bit tier: there a v decaying by under 1% a step (its
+#: gradient stopped) sits near a code, where the term shortens its decay by its own share; at 5/32 the
+#: element of ``test_small_element_beside_large_ones_moves_as_in_fp32`` 20-27 binades below its
+#: block's largest took 0.93 of its fp32 movement, at 5/64 0.96-1.05 (0 : 0.99-1.10).
 _V_ROUNDING = 5
+_V_ROUNDING_MIN_SHIFT = 6
 
 
 def _tiers_name(name: str, codes: str) -> str:
-    """The key in :data:`_TIERS` of moment ``name``'s codes of release ``codes`` (2026-12-02 or today's)."""
+    """The key in :data:`_TIERS` of moment ``name``'s codes of release ``codes`` (an earlier release of them, or today's)."""
     return f"{name}@{codes}" if f"{name}@{codes}" in _TIERS else name
 
 
@@ -530,10 +547,11 @@ def _encode_magnitude(a: Tensor, base: Tensor, rounding: Tensor, name: str) -> T
     step, unbiased in value (a step is linear in value, also across a tier's edge: the value rounded
     up from a binade's top is the next binade's first).
 
-    ``exp_avg_sq`` rounds up more often, by ``c = (5 f8 (256 - f8)) >> (mantissa + 4)`` added to the
-    random bits (``f8``: the top 8 bits of the remainder), so that up has probability ``f + 5/16
-    2**-mantissa f (1 - f)`` for a remainder ``f`` of a step: about ``f + 3/8 delta f (1 - f)`` for the
-    step's relative size ``delta`` (its mean over a binade), the rounding unbiased in ``v**(1/4)``. By
+    ``exp_avg_sq`` rounds up more often, by ``c = (5 f8 (256 - f8)) >> max(mantissa + 4, 6)`` added to
+    the random bits (``f8``: the top 8 bits of the remainder), so that up has probability ``f + 5/16
+    2**-mantissa f (1 - f)`` (half that in the 1-bit tier, :data:`_V_ROUNDING_MIN_SHIFT`) for a remainder
+    ``f`` of a step: about ``f + 3/8 delta f (1 - f)`` for the step's relative size ``delta`` (its mean
+    over a binade), the rounding unbiased in ``v**(1/4)``. By
     value it rounds v up (v's relative noise is about 12%); unbiased in value, the step ``m /
     sqrt(v)`` would be about ``3/8 * 0.12**2`` (+0.5%) too long on average (Jensen's inequality)."""
     r = (a.view(torch.int32) >> 23) - base
@@ -545,7 +563,7 @@ def _encode_magnitude(a: Tensor, base: Tensor, rounding: Tensor, name: str) -> T
     kept = y >> (7 - mantissa)  # the kept bits, then 16 bits of remainder
     if name == "exp_avg_sq":
         f8 = (kept >> 8) & 255
-        rounding = rounding + ((_V_ROUNDING * f8 * (256 - f8)) >> (mantissa + 4))
+        rounding = rounding + ((_V_ROUNDING * f8 * (256 - f8)) >> torch.clamp(mantissa + 4, min=_V_ROUNDING_MIN_SHIFT))
     return ((kept + rounding) >> 16) + offset - (sub.to(torch.int32) << m0)
 
 
@@ -991,12 +1009,13 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
 #: count (kept under :data:`LABELLED_STEP`). torch.optim reads ``step`` as a number: its
 #: ``Adam``/``AdamW.load_state_dict`` raises ``ValueError: could not convert string to float:
 #: b'halfadam 8-bit codes v2: ...'`` instead of taking the codes for moments (and stepping with them).
-#: v2: the codes of 2026-12-07 (``exp_avg_sq_base``); v1 (:data:`OLDER_CODES_LABELS`) labelled those of
-#: 2026-12-02 (``exp_avg_sq_scale``): the keys say which codes an entry holds, and both labels load.
+#: v3: the codes of 2026-12-07b (``exp_avg_sq_exponent``); v2 and v1 (:data:`OLDER_CODES_LABELS`) labelled
+#: those of 2026-12-07 (``exp_avg_sq_base``) and 2026-12-02 (``exp_avg_sq_scale``): the keys say which
+#: codes an entry holds, and every label loads.
 _LABEL = (b"halfadam 8-bit codes v%d: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
           b"or convert with to_torch_state_dict()")
-CODES_LABEL = _LABEL % 2
-OLDER_CODES_LABELS = (_LABEL % 1,)
+CODES_LABEL = _LABEL % 3
+OLDER_CODES_LABELS = (_LABEL % 2, _LABEL % 1)
 #: The key of a labelled entry's step count (the 0-d float32 tensor that ``step`` holds elsewhere).
 LABELLED_STEP = "halfadam_step"
 

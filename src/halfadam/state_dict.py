@@ -9,7 +9,7 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        # other state modes store their encodings instead (halfadam.encodings):
                        # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master,
                        #   with "remainder_dtype": the parameter dtype its remainders are over),
-                       # bfloat16 moments, or uint8 moments + "exp_avg_scale"/"exp_avg_sq_base"
+                       # bfloat16 moments, or uint8 moments + "exp_avg_scale"/"exp_avg_sq_exponent"
                        #   (with "step": encodings.CODES_LABEL, the count under "halfadam_step")
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}

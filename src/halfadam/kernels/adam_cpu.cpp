@@ -23,7 +23,7 @@
 // random bits of the element's hash, encodings._split8_decode / _split8_encode_ / _master_bits); each
 // moment is float32, bfloat16 (decoded exactly, encoded by stochastic rounding) or uint8: a small
 // float per element, in tiers of mantissa bits by binade, over one uint8 base exponent per block
-// ("exp_avg_scale", "exp_avg_sq_base": encodings._TIERS, _block_base, _encode_magnitude,
+// ("exp_avg_scale", "exp_avg_sq_exponent": encodings._TIERS, _block_base, _encode_magnitude,
 // _decode_magnitude, _decode_moment, _encode_moment_; the tiers are the constants under "the uint8
 // codes" below, from which every table and shortcut here is derived).
 // The random bits of the stochastic rounding are one hash per element and step (encodings._random_bits
@@ -99,7 +99,7 @@ template <> struct Codes<true> {  // exp_avg: a sign bit (128) and 7 magnitude b
   static constexpr int32_t kNan = 126, kInf = 127, kMask = 127;
 };
 template <> struct Codes<false> {  // exp_avg_sq: 8 magnitude bits
-  static constexpr Tier kTiers[] = {{1, 15}, {2, 23}, {4, 8}};
+  static constexpr Tier kTiers[] = {{1, 29}, {3, 8}, {4, 8}};
   static constexpr int32_t kNan = 255, kInf = 254, kMask = 255;
 };
 
@@ -816,10 +816,11 @@ HA_INLINE typename L::I encode_u8(typename L::F x, typename L::I h, const BlockC
   }
   const I kept = L::srlv(y, shift);  // the kept bits, then 16 of remainder
   I rounding = moment_bits<L, EXP_AVG>(h);
-  if (!EXP_AVG) {  // encodings._encode_magnitude: + (5 f8 (256 - f8)) >> (mantissa + 4), mantissa = 7 - shift
+  if (!EXP_AVG) {  // encodings._encode_magnitude: + (5 f8 (256 - f8)) >> max(mantissa + 4, 6), mantissa = 7 - shift
     const I f8 = L::iand(L::srl(kept, 8), L::seti(255));
     const I q = L::imul(f8, L::isub(L::seti(256), f8));
-    rounding = L::iadd(rounding, L::srlv(L::iadd(L::sll(q, 2), q), L::isub(L::seti(11), shift)));
+    const I by = L::isub(L::seti(11), L::imin(shift, L::seti(5)));  // encodings._V_ROUNDING_MIN_SHIFT
+    rounding = L::iadd(rounding, L::srlv(L::iadd(L::sll(q, 2), q), by));
   }
   const I k = L::srl(L::iadd(kept, rounding), 16);
   if (EXP_AVG) {  // the sign bit; nan (its sign dropped) and +-inf
@@ -1334,7 +1335,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   const int64_t total_state = exp_avg.numel();
   TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
   const bool m8 = adtype == at::kByte, v8 = vdtype == at::kByte;
-  const at::Tensor m_scale = get("exp_avg_scale", at::kByte), v_scale = get("exp_avg_sq_base", at::kByte);
+  const at::Tensor m_scale = get("exp_avg_scale", at::kByte), v_scale = get("exp_avg_sq_exponent", at::kByte);
   TORCH_CHECK(m8 == m_scale.defined() && v8 == v_scale.defined(),
               "adam_step: a uint8 moment needs its *_scale (uint8, one per block), and only a uint8 one has it");
   const at::Tensor master = get("master_weight", at::kFloat);
@@ -1357,13 +1358,13 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   for (const at::Tensor* t : {&tie, &m_scale, &v_scale}) {
     if (!t->defined()) continue;
     TORCH_CHECK(total_blocks < 0 || t->numel() == total_blocks,
-                "adam_step: master_tie, exp_avg_scale and exp_avg_sq_base differ in length");
+                "adam_step: master_tie, exp_avg_scale and exp_avg_sq_exponent differ in length");
     total_blocks = t->numel();
   }
   for (const auto& kv : state)
     TORCH_CHECK(kv.first == "master_weight" || kv.first == "master_hi" || kv.first == "master_lo" ||
                     kv.first == "master_tie" || kv.first == "exp_avg" || kv.first == "exp_avg_sq" ||
-                    kv.first == "exp_avg_scale" || kv.first == "exp_avg_sq_base",
+                    kv.first == "exp_avg_scale" || kv.first == "exp_avg_sq_exponent",
                 "adam_step: unsupported state entry '", kv.first, "'");
 
   Step s{};

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from .. import encodings as _encodings
-from ..encodings import BLOCK, _INF_CODE, _MAGNITUDE_MASK, _NAN_CODE, _SALT, _SPAN, _V_ROUNDING
+from ..encodings import BLOCK, _INF_CODE, _MAGNITUDE_MASK, _NAN_CODE, _SALT, _SPAN, _V_ROUNDING, _V_ROUNDING_MIN_SHIFT
 
 __all__ = ["available", "unavailable_reason", "launch", "CHUNK", "interpreted"]
 
@@ -124,7 +124,7 @@ _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.u
 #: blocks, offset in the per-block state buffers, then (for tensors whose state is their own, not a
 #: bucket's: FSDP2's local shards; offsets 0) the state tensors' addresses.
 STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_sq",
-                 "exp_avg_scale", "exp_avg_sq_base")
+                 "exp_avg_scale", "exp_avg_sq_exponent")
 TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position", "row_length",
                  "block_offset") + STATE_COLUMNS
 #: A launch's tables are "aligned" (the kernel's loads and stores of 16 bytes) when every address in
@@ -148,6 +148,7 @@ if triton is not None:
     _M_SPAN = tl.constexpr(_SPAN["exp_avg"])
     _V_SPAN = tl.constexpr(_SPAN["exp_avg_sq"])
     _V_ROUNDING = tl.constexpr(_V_ROUNDING)
+    _V_MIN_SHIFT = tl.constexpr(_V_ROUNDING_MIN_SHIFT)
     _M_MAGNITUDE = tl.constexpr(_MAGNITUDE_MASK["exp_avg"])  # the sign bit above it
     _V_MAGNITUDE = tl.constexpr(_MAGNITUDE_MASK["exp_avg_sq"])
     _M_NAN = tl.constexpr(_NAN_CODE["exp_avg"])
@@ -340,7 +341,7 @@ if triton is not None:
                 k = tl.maximum(k, ((y + (r16 << (7 - TIERS[i][0]))) >> (23 - TIERS[i][0]))
                                + (TIERS[i][2] - ((base + TIERS[i][1]) << TIERS[i][0])))
         else:  # the tier by the binade (a subnormal's is below the lowest), then its rounding up by
-            # (5 f8 (256 - f8)) >> (mantissa + 4), f8 the remainder's top 8 bits (unbiased in v**(1/4))
+            # (5 f8 (256 - f8)) >> max(mantissa + 4, 6), f8 the remainder's top 8 bits (unbiased in v**(1/4))
             binade = (y >> 23) - base
             mantissa = tl.zeros_like(y) + M0
             offset = TIERS[0][2] - (base << M0)
@@ -350,7 +351,7 @@ if triton is not None:
                 offset = tl.where(taken, TIERS[i][2] - ((base + TIERS[i][1]) << TIERS[i][0]), offset)
             kept = y >> (7 - mantissa)
             f8 = (kept >> 8) & 255
-            k = ((kept + r16 + ((_V_ROUNDING * f8 * (256 - f8)) >> (mantissa + 4))) >> 16) + offset
+            k = ((kept + r16 + ((_V_ROUNDING * f8 * (256 - f8)) >> tl.maximum(mantissa + 4, _V_MIN_SHIFT))) >> 16) + offset
         finite = a < 0x7F800000
         if IS_EXP_AVG:  # the sign bit (bit 7), a nan's aside
             code = tl.where(finite, k, _M_INF) | ((bits >> 24) & 128)
@@ -749,7 +750,7 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
     _adam_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
         get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), get("exp_avg"),
-        get("exp_avg_sq"), get("exp_avg_scale"), get("exp_avg_sq_base"),
+        get("exp_avg_sq"), get("exp_avg_scale"), get("exp_avg_sq_exponent"),
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
