@@ -169,6 +169,8 @@ BLOCK = 128
 MASTER_ENCODINGS = ("fp32", "split", "split8")
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 _HALF = (torch.float16, torch.bfloat16)
+#: Today's uint8 codes (:attr:`StateFormat.codes`).
+CODES = "2026-12-07b"
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class StateFormat:
     #: ``"2026-12-01"`` (a dynamic-tree / log2 table over a float32 ``*_absmax`` per block,
     #: :mod:`halfadam._codes_20261201`), ``"2026-12-02"`` (``exp_avg_sq`` over 27 binades in
     #: ``exp_avg_sq_scale``, :data:`_TIERS`), ``"2026-12-07"`` (over 46 binades in ``exp_avg_sq_base``).
-    codes: str = "2026-12-07b"  # CODES
+    codes: str = CODES
 
     @property
     def legacy(self) -> bool:
@@ -306,21 +308,16 @@ BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_exponent")
 LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026-12-02": ("exp_avg_sq_scale",),
                     "2026-12-07": ("exp_avg_sq_base",)}
 LEGACY_BLOCK_KEYS = tuple(k for keys in LEGACY_CODE_KEYS.values() for k in keys)
-#: Today's uint8 codes (:attr:`StateFormat.codes`).
-CODES = "2026-12-07b"
-assert StateFormat().codes == CODES
-
-
-#: ``exp_avg_sq``'s per-block key of each earlier release of the tapered codes (today's: ``exp_avg_sq_exponent``).
-_V_SCALE_KEYS = {"2026-12-02": "exp_avg_sq_scale", "2026-12-07": "exp_avg_sq_base"}
 
 
 def scale_key(name: str, codes: str = CODES) -> str:
-    """The per-block key of moment ``name``'s uint8 codes of release ``codes``."""
+    """The per-block key of moment ``name``'s uint8 codes of release ``codes`` (:data:`BLOCK_KEYS`, or
+    :data:`LEGACY_CODE_KEYS`: each later release renamed only ``exp_avg_sq``'s)."""
     if codes == "2026-12-01":
         return f"{name}_absmax"
-    return _V_SCALE_KEYS.get(codes, "exp_avg_sq_exponent") if name == "exp_avg_sq" else f"{name}_scale"
-
+    if name == "exp_avg_sq":
+        return LEGACY_CODE_KEYS[codes][0] if codes in LEGACY_CODE_KEYS else "exp_avg_sq_exponent"
+    return f"{name}_scale"
 
 
 @functools.lru_cache(maxsize=None)
