@@ -116,10 +116,11 @@ def _boundary_values(name, base, step, n_blocks, gen):
     sub = k < (1 << tiers[0][0])
     shift = (7 - mantissa).long()
     up = (1 << 16) - rnd  # the remainder (16 bits) that rounds up with these random bits...
-    if name == "exp_avg_sq":  # ... with exp_avg_sq's extra (5 f8 (256 - f8)) >> (mantissa + 4): the least one
+    if name == "exp_avg_sq":  # ... with exp_avg_sq's extra (5 f8 (256 - f8)) >> max(mantissa + 4, 6): the least one
         cand = up.view(-1, 1) - torch.arange(3000).view(1, -1)  # remainder + extra rises with the remainder
         f8 = (cand >> 8) & 255
-        ok = (cand >= 0) & (cand + rnd.view(-1, 1) + ((5 * f8 * (256 - f8)) >> (mantissa.view(-1, 1).long() + 4)) >= 1 << 16)
+        by = (mantissa.view(-1, 1).long() + 4).clamp(min=E._V_ROUNDING_MIN_SHIFT)
+        ok = (cand >= 0) & (cand + rnd.view(-1, 1) + ((5 * f8 * (256 - f8)) >> by) >= 1 << 16)
         up = torch.where(ok, cand, 1 << 17).amin(dim=1)
     d = up << shift
     d = torch.where(torch.rand(n, generator=gen) < 0.5, d, d - 1)  # ... or just not

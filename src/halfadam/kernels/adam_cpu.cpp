@@ -153,11 +153,14 @@ static_assert(tiers_ok(Codes<true>::kTiers, Spec<true>::kTierCount) && tiers_ok(
 constexpr uint32_t kSalt = 0x1B873593u;  // encodings._SALT
 
 // The tiers by lookup (32 entries, for the lanes that have a table lookup): encoding by the value's
-// binade over the base (r = t >> 23, 0..SPAN), decoding by k >> (the lowest tier's mantissa bits),
-// where that is 32 entries at most and every tier starts at a multiple of it (else: compares).
+// binade over the base (r = t >> 23, 0..SPAN) less kEncodeOffset (the lowest binades, all of the
+// lowest tier, share entry 0: max(r - offset, 0)), decoding by k >> (the lowest tier's mantissa
+// bits), where that is 32 entries at most and every tier starts at a multiple of it (else: compares).
 struct TierLut {
   int32_t shift[32], k[32];
 };
+template <bool EXP_AVG>
+constexpr int32_t kEncodeOffset = Spec<EXP_AVG>::kSpan < 32 ? 0 : Spec<EXP_AVG>::kSpan - 31;
 template <bool EXP_AVG, bool DECODE>
 constexpr TierLut tier_lut() {
   using S = Spec<EXP_AVG>;
@@ -165,7 +168,7 @@ constexpr TierLut tier_lut() {
   for (int32_t idx = 0; idx < 32; ++idx) {
     size_t tier = 0;
     for (size_t i = 1; i < S::kTierCount; ++i)
-      if (DECODE ? (idx << S::kM0) >= S::kRows.row[i].first : idx >= S::kRows.row[i].r0) tier = i;
+      if (DECODE ? (idx << S::kM0) >= S::kRows.row[i].first : idx + kEncodeOffset<EXP_AVG> >= S::kRows.row[i].r0) tier = i;
     out.shift[idx] = (DECODE ? 23 : 7) - S::kRows.row[tier].mantissa;
     out.k[idx] = S::kRows.row[tier].k;
   }
@@ -181,7 +184,10 @@ constexpr bool decode_lut_fits() {
 }
 template <bool EXP_AVG>
 struct Luts {
-  static constexpr bool kEncode = Spec<EXP_AVG>::kSpan < 32, kDecode = decode_lut_fits<EXP_AVG>();
+  // encoding: entry 0 must be of the lowest tier, whatever the offset
+  static constexpr bool kEncode = kEncodeOffset<EXP_AVG> == 0 ||
+                                  (Spec<EXP_AVG>::kTierCount > 1 && kEncodeOffset<EXP_AVG> < Spec<EXP_AVG>::kRows.row[1].r0),
+                        kDecode = decode_lut_fits<EXP_AVG>();
   alignas(64) static constexpr TierLut kEnc = tier_lut<EXP_AVG, false>();
   alignas(64) static constexpr TierLut kDec = tier_lut<EXP_AVG, true>();
 };
@@ -775,8 +781,9 @@ struct Encoder {
   template <bool NORMAL>
   HA_INLINE void tier(I t, I* shift, I* k) const {
     if constexpr (kLut) {
-      I idx = L::sra(t, 23);
-      if (!NORMAL) idx = L::imax(idx, L::seti(0));
+      constexpr int32_t kOffset = kEncodeOffset<EXP_AVG>;
+      I idx = L::sra(kOffset ? L::isub(t, L::seti(kOffset << 23)) : t, 23);
+      if (!NORMAL || kOffset) idx = L::imax(idx, L::seti(0));
       *shift = L::lut(shift_lut, idx);
       *k = L::lut(k_lut, idx);
     } else {
