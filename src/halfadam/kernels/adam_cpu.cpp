@@ -632,9 +632,10 @@ HA_INLINE typename L::I hash_at(uint32_t position0, uint32_t seed_term) {
   return L::ixor(h, L::srl(h, 15));
 }
 // encodings._moment_bits: exp_avg's 16 random bits are the hash's upper half, exp_avg_sq's its lower
+// (low16: 0xFFFF in every lane, an encoder's pinned one in its loop)
 template <class L, bool EXP_AVG>
-HA_INLINE typename L::I moment_bits(typename L::I h) {
-  return EXP_AVG ? L::srl(h, 16) : L::iand(h, L::seti(0xFFFF));
+HA_INLINE typename L::I moment_bits(typename L::I h, typename L::I low16 = L::seti(0xFFFF)) {
+  return EXP_AVG ? L::srl(h, 16) : L::iand(h, low16);
 }
 
 // ---------------------------------------------------------------- uint8 moments
@@ -832,7 +833,7 @@ HA_INLINE typename L::I encode_u8(typename L::F x, typename L::I h, const BlockC
     y = L::iif(sub, L::isub(L::bits(L::fromb(a) + L::set(bc.unit)), unit_bits), y);
   }
   const I kept = L::srlv(y, shift);  // the kept bits, then 16 of remainder
-  I rounding = EXP_AVG ? L::srl(h, 16) : L::iand(h, en.low16);  // moment_bits (exp_avg_sq's mask pinned)
+  I rounding = moment_bits<L, EXP_AVG>(h, en.low16);
   if (!EXP_AVG) {  // encodings._encode_magnitude: + (5 f8 (256 - f8)) >> max(mantissa + 4, 6), mantissa = 7 - shift
     const I f8 = L::iand(L::srl(kept, 8), en.byte);
     const I q = L::imul(f8, L::isub(en.c256, f8));

@@ -124,7 +124,7 @@ _MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.u
 #: blocks, offset in the per-block state buffers, then (for tensors whose state is their own, not a
 #: bucket's: FSDP2's local shards; offsets 0) the state tensors' addresses.
 STATE_COLUMNS = ("master_weight", "master_hi", "master_lo", "master_tie", "exp_avg", "exp_avg_sq",
-                 "exp_avg_scale", "exp_avg_sq_exponent")
+                 _encodings.scale_key("exp_avg"), _encodings.scale_key("exp_avg_sq"))
 TABLE_COLUMNS = ("param", "grad", "numel", "size", "offset", "position", "row_length",
                  "block_offset") + STATE_COLUMNS
 #: A launch's tables are "aligned" (the kernel's loads and stores of 16 bytes) when every address in
@@ -749,8 +749,7 @@ def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tens
     aligned = not rows and bool(getattr(table, "aligned", False)) and all(t.data_ptr() % 16 == 0 for t in stored.values())
     _adam_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
-        get("master_weight"), get("master_hi"), get("master_lo"), get("master_tie"), get("exp_avg"),
-        get("exp_avg_sq"), get("exp_avg_scale"), get("exp_avg_sq_exponent"),
+        *(get(key) for key in STATE_COLUMNS),  # the kernel's state arguments, in this order
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
         M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
