@@ -3,7 +3,7 @@
 Times ``halfadam.executions._flat_kernel`` (``--impl fused``: compiled as the fused step compiles it)
 or the C++ kernel's ``adam_step`` (``--impl cpp``) over one flat bucket of bf16 parameters for each
 state format: fp32 state, split master, bf16 ``exp_avg``, uint8 ``exp_avg``, uint8 ``exp_avg_sq``,
-the ``bf16`` and ``compact`` presets; and ``torch.optim.AdamW(fused=True)`` over as many fp32
+the ``bf16``, ``compact`` and ``tiny`` presets; and ``torch.optim.AdamW(fused=True)`` over as many fp32
 parameters. No per-tensor entry costs: this isolates the cost of each encoding, which is where a
 mode's step time goes. Prints ms and the ratios to the fp32 state and to torch.
 
@@ -31,6 +31,7 @@ FORMATS = {
     "uint8 exp_avg_sq": E.StateFormat("fp32", torch.float32, torch.uint8),
     "bf16 preset": E.PRESETS["bf16"],
     "compact preset": E.PRESETS["compact"],
+    "tiny preset": E.PRESETS["tiny"],
 }
 
 
