@@ -1,7 +1,7 @@
 """State dicts of 8-bit codes (issue 33 item 1): torch.optim must not take the uint8 codes for moments.
 
 A state_dict entry whose ``exp_avg``/``exp_avg_sq`` are uint8 codes (state modes 'compact' and 'tiny')
-carries ``encodings.CODES_LABEL`` in ``step`` and the step count under ``halfadam_step``: torch's
+carries ``encodings.CODES_LABEL`` in ``step``, a dict with the step count under ``halfadam_step``: torch's
 ``Adam``/``AdamW.load_state_dict`` reads ``float(step)`` and raises; halfadam's loader takes the count
 back (bit for bit), still loads entries saved before the label, and refuses a label it does not
 know. Every expected value comes from an uninterrupted run or from the optimizer as it was.
@@ -78,9 +78,8 @@ def resumed(mode, msd, osd):
 def test_a_packed_state_dict_is_labelled(run):
     mode, _, osd, _, _ = run
     entry = osd["state"][0]  # the first weight: 8-bit codes
-    assert entry["exp_avg"].dtype == torch.uint8 and entry["step"] == E.CODES_LABEL
-    assert torch.equal(entry[E.LABELLED_STEP], torch.tensor(3.0))
-    assert b"halfadam" in E.CODES_LABEL and b"to_torch_state_dict()" in E.CODES_LABEL
+    assert entry["exp_avg"].dtype == torch.uint8 and entry["step"][E.CODES_KEY] == 3
+    assert torch.equal(entry["step"][E.LABELLED_STEP], torch.tensor(3.0)) and E.LABELLED_STEP not in entry
     assert isinstance(osd["state"][1]["step"], torch.Tensor)  # its bias: float32 moments, no label
 
 
@@ -89,8 +88,7 @@ def test_torch_refuses_a_packed_state_dict(run, cls):
     """Without the label torch loads it and steps with codes as moments (238 for -1.125)."""
     mode, msd, osd, _, _ = run
     model, _ = make(mode, seed=1)
-    with pytest.raises(ValueError, match=r"could not convert string to float: b'halfadam 8-bit codes v3: .*"
-                                         r"load with halfadam, or convert with to_torch_state_dict\(\)"):
+    with pytest.raises(TypeError, match=r"float\(\) argument must be a string or a real number, not 'dict'"):
         cls(model.parameters(), lr=1e-2).load_state_dict(copy.deepcopy(osd))
 
 
@@ -100,6 +98,18 @@ def test_halfadam_resumes_its_labelled_dict_bit_for_bit(run):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     assert same_state(state, state_bits(opt2))
     assert all(E.LABELLED_STEP not in st and isinstance(st["step"], torch.Tensor) for st in opt2.state.values())
+
+
+def test_a_dict_labelled_in_bytes_still_loads(run):
+    """Releases up to 673f2dc labelled with bytes in ``step``, the count beside it."""
+    mode, msd, osd, model, state = run
+    old = copy.deepcopy(osd)
+    for pid, st in old["state"].items():
+        if isinstance(st["step"], dict):
+            old["state"][pid] = {**st, "step": E.OLDER_CODES_LABELS[0], E.LABELLED_STEP: st["step"][E.LABELLED_STEP]}
+    model2, opt2 = resumed(mode, msd, old)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert same_state(state, state_bits(opt2))
 
 
 def test_a_dict_saved_before_the_label_still_loads(run):
@@ -113,11 +123,13 @@ def test_a_dict_saved_before_the_label_still_loads(run):
 
 
 @pytest.mark.parametrize("change, match", [
+    (dict(step={"halfadam_8bit_codes": 4, "halfadam_step": torch.tensor(3.0)}),
+     r"is labelled \{'halfadam_8bit_codes': 4, .*which this version of halfadam does not read"),
     (dict(step=b"halfadam 8-bit codes v3: something new"), r"is labelled b'halfadam 8-bit codes v3: something new', "
                                                            r"which this version of halfadam does not read"),
     (dict(step="another library's state"), r"is labelled \"another library's state\", which this version"),
-    (dict(step=torch.tensor(3.0)), r"has a 'halfadam_step' but no label in 'step'"),
-    (dict(halfadam_step=None), r"is labelled as 8-bit codes but has no 'halfadam_step'"),
+    (dict(step=torch.tensor(3.0), halfadam_step=torch.tensor(3.0)), r"has a 'halfadam_step' but no label in 'step'"),
+    (dict(step={"halfadam_8bit_codes": 3}), r"is labelled as 8-bit codes but has no 'halfadam_step'"),
 ])
 def test_another_label_is_refused_naming_the_parameter_and_changes_nothing(run, change, match):
     mode, msd, osd, _, _ = run
@@ -127,8 +139,6 @@ def test_another_label_is_refused_naming_the_parameter_and_changes_nothing(run, 
                                                      for g in opt.param_groups])
     bad = copy.deepcopy(osd)
     bad["state"][0].update(change)
-    if change.get("halfadam_step", 0) is None:
-        del bad["state"][0]["halfadam_step"]
     with pytest.raises(CheckpointError, match=r"parameter 0 \(param_groups\[0\]\['params'\]\[0\].*: its state " + match):
         opt.load_state_dict(bad)
     assert same_state(before, state_bits(opt))
@@ -139,7 +149,7 @@ def test_a_label_over_moments_that_are_not_codes_is_refused():
     model, opt = make("fp32")
     train(model, opt, 1)
     sd = opt.state_dict()
-    sd["state"][0] = {**sd["state"][0], "step": E.CODES_LABEL, E.LABELLED_STEP: sd["state"][0]["step"]}
+    sd["state"][0] = {**sd["state"][0], "step": {**E.CODES_LABEL, E.LABELLED_STEP: sd["state"][0]["step"]}}
     with pytest.raises(CheckpointError, match=r"parameter 0 .*neither exp_avg nor exp_avg_sq is uint8"):
         make("fp32", seed=1)[1].load_state_dict(sd)
 
@@ -207,9 +217,9 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
         train(model, opt, 3)
         opt.consolidate_state_dict(to=0)
         osd, msd = saved(opt.state_dict()), saved(model.state_dict())
-        assert osd["state"][0]["step"] == E.CODES_LABEL
+        assert osd["state"][0]["step"][E.CODES_KEY] == 3
         train(model, opt, 2, start=3)
-        with pytest.raises(ValueError, match="halfadam 8-bit codes v3"):
+        with pytest.raises(TypeError, match="not 'dict'"):
             torch.optim.AdamW(zero(1)[0].parameters()).load_state_dict(copy.deepcopy(osd))
         model2, opt2 = zero(1)
         model2.load_state_dict(msd)
@@ -231,8 +241,9 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("mode", CODES)
 def test_dcp_checkpoints_with_and_without_the_label_load_bit_for_bit(tmp_path, monkeypatch, mode):
-    """halfadam.distributed.save_checkpoint writes the label as a non-tensor item; a checkpoint written
-    before it (``step`` a tensor) loads too: its layout takes each field's kind from the checkpoint."""
+    """halfadam.distributed.save_checkpoint writes the label (a dict: a number and the count); checkpoints
+    written before it (``step`` a tensor) or with the bytes label of releases up to 673f2dc load too: the
+    layout takes each field's kind from the checkpoint."""
     pytest.importorskip("torch.distributed.checkpoint")
     import halfadam.distributed as hd
     from halfadam import state_dict as SD
@@ -243,8 +254,12 @@ def test_dcp_checkpoints_with_and_without_the_label_load_bit_for_bit(tmp_path, m
     with monkeypatch.context() as m:  # as written before labels
         m.setattr(SD.encodings, "labelled", lambda entry: entry)
         hd.save_checkpoint(tmp_path / "old", model, opt)
+    with monkeypatch.context() as m:  # as written up to 673f2dc: a bytes label, the count beside it
+        m.setattr(SD.encodings, "labelled", lambda entry: {**entry, "step": E.OLDER_CODES_LABELS[0],
+                                                           E.LABELLED_STEP: entry["step"]} if E.has_codes(entry) else entry)
+        hd.save_checkpoint(tmp_path / "bytes", model, opt)
     expected = state_bits(opt)
-    for name in ("new", "old"):
+    for name in ("new", "old", "bytes"):
         model2, opt2 = make(mode, seed=1)
         hd.load_checkpoint(tmp_path / name, model2, opt2)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())), name

@@ -287,7 +287,7 @@ def test_split_checkpoint_of_float16_parameters_refuses_a_bfloat16_model():
         p.grad = torch.randn_like(p)
     opt.step()
     sd = opt.state_dict()
-    assert sd["state"][0]["remainder_dtype"] == "float16"  # the weight (rows of one block): split
+    assert sd["state"][0]["remainder_dtype"] == {"float16": 1}  # the weight (rows of one block): split
     assert "remainder_dtype" not in sd["state"][1] and "master_weight" in sd["state"][1]  # the bias: fp32
     assert "remainder_dtype" not in opt.state[lin.weight]  # only in the state_dict
     target = torch.nn.Linear(128, 32).bfloat16()

@@ -256,8 +256,12 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
     keys, so a schedule saved there loads whether or not ``optimizer`` has one.) Without it, the
     layout is ``optimizer``'s own.
 
+    ``options`` with ``flatten_optimizer_state_dict=True`` (torchtitan's) works in every state mode
+    without ``checkpoint_id``.
+
     Raises:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
+        ValueError: ``checkpoint_id`` with ``flatten_optimizer_state_dict=True`` in ``options``.
         CheckpointError: nothing is saved under ``key`` in ``checkpoint_id`` (the message lists the
             keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest or names a
             global that DCP's metadata never holds (it is unpickled admitting only DCP's classes).
@@ -281,6 +285,7 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
     optimizer's), so ``dcp.load`` writes nothing of ``optimizer``'s."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
+    _nested(options)
     layout = _layout_of(optimizer, checkpoint_id, saved_keys, key, staging)
     init_state(layout)
     osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
@@ -289,35 +294,53 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
     return osd
 
 
+def _nested(options: Any) -> None:
+    """Raise ValueError where ``options`` (DCP's ``StateDictOptions``) flattens the optimizer state dict:
+    laying the state out as a checkpoint saved it (``checkpoint_id``, :func:`load_checkpoint`) reads the
+    nested one."""
+    if getattr(options, "flatten_optimizer_state_dict", False):
+        raise ValueError("halfadam's checkpoint_id, save_checkpoint and load_checkpoint take the nested optimizer "
+                         "state dict: pass options without flatten_optimizer_state_dict=True, or use DCP's functions "
+                         "(a flattened state dict loads into an optimizer of its own state mode)")
+
+
 def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -> None:
     """Give ``state`` (per parameter name, the layout's state tensors) the fields the checkpoint saved
     under ``key``, in place, so that ``load_state_dict`` judges them as it does in one process: a field
     the checkpoint lacks (a master saved without master weights, a parameter that never stepped) is
     dropped, and one the layout lacks (a master, for an optimizer without master weights) gets a
     tensor of its saved size and dtype (whole, on the CPU) to be read into. A field saved as a tensor
-    where the layout has an object, or the other way round (``step``: a tensor in checkpoints of
-    8-bit codes written before their label, :data:`halfadam.encodings.CODES_LABEL`), takes the
-    checkpoint's kind."""
-    saved: Dict[str, Dict[str, Any]] = {}
+    where the layout has an object, or the other way round, or nested where the layout's is not
+    (``step``: a tensor in checkpoints of 8-bit codes written before their label, bytes in those up to
+    673f2dc, a dict since, :data:`halfadam.encodings.CODES_LABEL`), takes the checkpoint's kind."""
     prefix = f"{key}.state."
+    names = sorted(state, key=len, reverse=True)  # a parameter's name is no other's prefix before a "."
+    saved: Dict[str, Dict[str, Any]] = {}
     for name, meta in saved_keys.items():
-        if name.startswith(prefix):
-            fqn, _, field = name[len(prefix):].rpartition(".")
-            saved.setdefault(fqn, {})[field] = meta
+        rest = name[len(prefix):] if name.startswith(prefix) else None
+        fqn = next((n for n in names if rest is not None and rest.startswith(f"{n}.")), None)
+        if fqn is not None:
+            node = saved.setdefault(fqn, {})
+            *path, leaf = rest[len(fqn) + 1:].split(".")  # a nested field (a dict): one level per "."
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = meta
     for fqn in list(state):
-        fields = saved.get(fqn)
-        if fields is None:
+        if fqn in saved:
+            state[fqn] = _saved_kinds(state[fqn], saved[fqn])
+        else:
             del state[fqn]
-            continue
-        st = state[fqn]
-        for field in [f for f in st if f not in fields]:
-            del st[field]
-        for field, meta in fields.items():  # a field's kind may differ from the layout's: the checkpoint's is read
-            if hasattr(meta, "size"):
-                if not isinstance(st.get(field), Tensor):  # e.g. 'step' saved as a tensor before labels
-                    st[field] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            elif field not in st or isinstance(st[field], Tensor):  # e.g. 'step' saved as a label (bytes)
-                st[field] = b""  # any object: dcp.load puts the saved one in its place
+
+
+def _saved_kinds(value: Any, saved: Any) -> Any:
+    """``value`` (the layout's) where it is of the checkpoint's kind (``saved``: DCP metadata, or a dict of
+    them for a nested value), else what ``dcp.load`` can read the saved value into."""
+    if isinstance(saved, dict):
+        value = value if isinstance(value, dict) else {}
+        return {k: _saved_kinds(value.get(k), meta) for k, meta in saved.items()}
+    if hasattr(saved, "size"):  # a tensor
+        return value if isinstance(value, Tensor) else torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    return value if value is not None and not isinstance(value, (Tensor, dict)) else b""  # any object: dcp.load replaces it
 
 
 def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, staging: bool = False) -> Any:
@@ -435,6 +458,7 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
     DCP checkpoint directory (or empty): one holding other files is refused, as the save replaces it.
 
     Raises:
+        ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is written).
         CheckpointError: ``extra`` holds an object ``weights_only`` cannot load (before anything is
             written); the optimizer cannot give its state (a resized parameter: its ValueError is the
             cause); ``checkpoint_id`` is a file or a directory with other files; DCP failed to write
@@ -447,6 +471,7 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
 
     from . import _dcp_io
 
+    _nested(options)  # load_checkpoint reads the nested state dict
     where = f"cannot save the checkpoint {checkpoint_id}"
     with _checkpoint_errors(where):
         state = {model_key: get_model_state_dict(model, options=options),
@@ -523,6 +548,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         The ``extra`` data saved with the checkpoint (``{}`` when none was).
 
     Raises:
+        ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is read).
         CheckpointError: a file fails the manifest (the message names it), ``.metadata`` or a
             non-tensor item names a global a halfadam checkpoint never holds (named, with its file;
             nothing of it runs), nothing is saved under ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which

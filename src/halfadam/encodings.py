@@ -1002,17 +1002,22 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
 
 
 # ---------------------------------------------------------------------------------- state_dict labels
-#: The ``step`` of a state_dict entry whose moments are 8-bit codes (uint8), in place of the step
-#: count (kept under :data:`LABELLED_STEP`). torch.optim reads ``step`` as a number: its
-#: ``Adam``/``AdamW.load_state_dict`` raises ``ValueError: could not convert string to float:
-#: b'halfadam 8-bit codes v2: ...'`` instead of taking the codes for moments (and stepping with them).
-#: v3: the codes of 2026-12-07b (``exp_avg_sq_exponent``); v2 and v1 (:data:`OLDER_CODES_LABELS`) labelled
-#: those of 2026-12-07 (``exp_avg_sq_base``) and 2026-12-02 (``exp_avg_sq_scale``): the keys say which
-#: codes an entry holds, and every label loads.
+#: The label of a state_dict entry whose moments are 8-bit codes (uint8): its ``step`` is a dict,
+#: this version under :data:`CODES_KEY` and the step count under :data:`LABELLED_STEP`
+#: (``{"halfadam_8bit_codes": 3, "halfadam_step": tensor(3.)}``), so the entry keeps the live state's
+#: keys and holds tensors, numbers and dicts only, as ``torch.distributed.checkpoint.state_dict``'s
+#: ``flatten_optimizer_state_dict=True`` needs. torch.optim reads ``step`` as a number: its
+#: ``Adam``/``AdamW.load_state_dict`` raises ``TypeError: float() argument must be a string or a real
+#: number, not 'dict'`` instead of taking the codes for moments (and stepping with them).
+#: Version 3: the codes of 2026-12-07b (``exp_avg_sq_exponent``). Releases up to 673f2dc labelled
+#: with bytes in ``step`` and the count beside it (:data:`OLDER_CODES_LABELS`: v3, v2, v1, written
+#: with the codes of 2026-12-07b, 2026-12-07 and 2026-12-02; the keys say which codes an entry holds);
+#: every label loads.
+CODES_KEY = "halfadam_8bit_codes"
+CODES_LABEL = {CODES_KEY: 3}
 _LABEL = (b"halfadam 8-bit codes v%d: exp_avg/exp_avg_sq are uint8 codes, not moments; load with halfadam, "
           b"or convert with to_torch_state_dict()")
-CODES_LABEL = _LABEL % 3
-OLDER_CODES_LABELS = (_LABEL % 2, _LABEL % 1)
+OLDER_CODES_LABELS = (_LABEL % 3, _LABEL % 2, _LABEL % 1)
 #: The key of a labelled entry's step count (the 0-d float32 tensor that ``step`` holds elsewhere).
 LABELLED_STEP = "halfadam_step"
 
@@ -1024,22 +1029,23 @@ def has_codes(state: Dict) -> bool:
 
 def is_labelled(entry: Dict) -> bool:
     """Whether a state_dict entry (or a state a ``ZeroRedundancyOptimizer`` loaded as it was) holds a
-    label in ``step``, or a :data:`LABELLED_STEP`."""
-    return LABELLED_STEP in entry or isinstance(entry.get("step"), (bytes, str))
+    label in ``step``, or an older release's :data:`LABELLED_STEP` beside it."""
+    return LABELLED_STEP in entry or isinstance(entry.get("step"), (bytes, str, dict))
 
 
 def labelled(entry: Dict) -> Dict:
     """A state_dict entry as saved: where its moments are codes (:func:`has_codes`), a new dict whose
-    ``step`` is :data:`CODES_LABEL` and whose :data:`LABELLED_STEP` is the step count; else ``entry``
+    ``step`` is :data:`CODES_LABEL` with the step count under :data:`LABELLED_STEP`; else ``entry``
     itself (one labelled already too)."""
     if "step" not in entry or not has_codes(entry) or is_labelled(entry):
         return entry
-    return {**entry, "step": CODES_LABEL, LABELLED_STEP: entry["step"]}
+    return {**entry, "step": {**CODES_LABEL, LABELLED_STEP: entry["step"]}}
 
 
 def unlabelled(entry: Dict, where: str) -> Dict:
     """A state_dict entry with its step count back in ``step``: a new dict where it was labelled
-    (:func:`labelled`), else ``entry`` itself (an entry saved before labels: loaded as it is).
+    (:func:`labelled`, or an older release's label), else ``entry`` itself (an entry saved before
+    labels: loaded as it is).
 
     Raises:
         ValueError, naming ``where``: another label (a newer halfadam's format, or not halfadam's), a
@@ -1048,18 +1054,20 @@ def unlabelled(entry: Dict, where: str) -> Dict:
     if not is_labelled(entry):
         return entry
     step = entry.get("step")
-    if step != CODES_LABEL and step not in OLDER_CODES_LABELS:
-        if isinstance(step, (bytes, str)):
-            raise ValueError(f"{where}: its state is labelled {step!r}, which this version of halfadam does not "
-                             f"read (it reads {CODES_LABEL[:24]!r}...); a newer halfadam wrote it? Load it with that one")
+    if isinstance(step, dict) and step.get(CODES_KEY) == CODES_LABEL[CODES_KEY] and set(step) <= {CODES_KEY, LABELLED_STEP}:
+        count, rest = step.get(LABELLED_STEP), entry
+    elif isinstance(step, bytes) and step in OLDER_CODES_LABELS:
+        count, rest = entry.get(LABELLED_STEP), {k: v for k, v in entry.items() if k != LABELLED_STEP}
+    elif isinstance(step, (bytes, str, dict)):
+        raise ValueError(f"{where}: its state is labelled {step!r}, which this version of halfadam does not "
+                         f"read (it reads {CODES_LABEL!r}); a newer halfadam wrote it? Load it with that one")
+    else:
         raise ValueError(f"{where}: its state has a '{LABELLED_STEP}' but no label in 'step' (got {step!r})")
-    if LABELLED_STEP not in entry:
+    if count is None:
         raise ValueError(f"{where}: its state is labelled as 8-bit codes but has no '{LABELLED_STEP}' (its step count)")
     if not has_codes(entry):
         raise ValueError(f"{where}: its state is labelled as 8-bit codes, but neither exp_avg nor exp_avg_sq is uint8")
-    out = {k: v for k, v in entry.items() if k != LABELLED_STEP}
-    out["step"] = entry[LABELLED_STEP]
-    return out
+    return {**rest, "step": count}
 
 
 def unlabel_(state: Dict, where: str) -> None:

@@ -69,7 +69,7 @@ class ParamStates:
         ea = state.get("exp_avg")
         if ea is None or ea.device != param.device or self.dtypes.get(id(param), param.dtype) != param.dtype:
             return False
-        if encodings.LABELLED_STEP in state:  # a labelled state_dict entry, as it was loaded (unlabel)
+        if encodings.is_labelled(state):  # a labelled state_dict entry, as it was loaded (unlabel)
             return False
         expected = self.element_dtypes(param, group)
         present = [k for k in encodings.ELEMENT_KEYS if k in state]

@@ -8,9 +8,9 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
                        "exp_avg": float32 tensor, "exp_avg_sq": float32 tensor}},
                        # other state modes store their encodings instead (halfadam.encodings):
                        # "master_hi" int8 + "master_lo" uint8 + "master_tie" uint8 per block (split master,
-                       #   with "remainder_dtype": the parameter dtype its remainders are over),
+                       #   with "remainder_dtype": {dtype name: 1}, the parameter dtype its remainders are over),
                        # bfloat16 moments, or uint8 moments + "exp_avg_scale"/"exp_avg_sq_exponent"
-                       #   (with "step": encodings.CODES_LABEL, the count under "halfadam_step")
+                       #   (with "step" a dict: encodings.CODES_LABEL, and the count under "halfadam_step")
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
 
@@ -219,9 +219,9 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     Per parameter: ``step`` (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (float32; float64 for
     float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
     never took a step have no entry. Where the moments are 8-bit codes (uint8: state modes
-    ``compact``, ``tiny``), ``step`` is the label :data:`halfadam.encodings.CODES_LABEL` (bytes) and the
-    count is under ``halfadam_step``: ``torch.optim.Adam``/``AdamW.load_state_dict`` of it raises
-    ``ValueError: could not convert string to float: b'halfadam 8-bit codes v1: ...'`` instead of
+    ``compact``, ``tiny``), ``step`` is a label, the dict :data:`halfadam.encodings.CODES_LABEL` with the
+    count under ``halfadam_step``: ``torch.optim.Adam``/``AdamW.load_state_dict`` of it raises
+    ``TypeError: float() argument must be a string or a real number, not 'dict'`` instead of
     stepping with the codes as moments (:func:`to_torch_state_dict` gives torch's). Per group: every
     hyperparameter, ``global_step`` (int) and the schedules as plain data. The tensors are the optimizer's own (not copies), as in torch: clone them
     (or ``torch.save``) before the next step if you keep the dict. Masters are synced with their
@@ -242,15 +242,26 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                     continue
                 new = encodings.labelled(st)  # a new dict where it changes: the live state stays as it is
                 if encodings.has_remainder(st):
-                    new = {**new, REMAINDER_DTYPE: _dtype_name(p.dtype)}
+                    new = {**new, REMAINDER_DTYPE: {_dtype_name(p.dtype): 1}}
                 if new is not st:
                     state[pid] = new
     return packed
 
 
-#: The state_dict key (a string, per parameter with a split master) naming the parameter dtype its
-#: remainders are in units of ("float16" or "bfloat16"): they mean nothing over another dtype.
+#: The state_dict key (per parameter with a split master) naming the parameter dtype its remainders are
+#: in units of, ``{"float16": 1}`` or ``{"bfloat16": 1}`` (they mean nothing over another dtype): a dict of
+#: a number, as ``flatten_optimizer_state_dict=True`` of ``torch.distributed.checkpoint.state_dict`` needs
+#: (releases up to 673f2dc wrote the name as a str; it loads).
 REMAINDER_DTYPE = "remainder_dtype"
+
+
+def _remainder_dtype(value: Any, where: str) -> Optional[str]:
+    """The dtype name a :data:`REMAINDER_DTYPE` entry holds (None: none saved)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in ("float16", "bfloat16"):
+        return next(iter(value))
+    raise CheckpointError(f"{where}: {REMAINDER_DTYPE} must be {{'float16': 1}} or {{'bfloat16': 1}}, got {value!r}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -495,7 +506,7 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
         saved = dict(encodings.unlabelled(saved, where))  # 8-bit codes: the step count from under their label
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    remainder_dtype = saved.pop(REMAINDER_DTYPE, None) if kind == "halfadam" else None
+    remainder_dtype = _remainder_dtype(saved.pop(REMAINDER_DTYPE, None), where) if kind == "halfadam" else None
     allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
                if kind == "halfadam"
                else {"step", "exp_avg", "exp_avg_sq"})

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from halfadam.distributed import is_dtensor, local
+from halfadam.distributed import _all_reduce_, is_dtensor, local
 
 from .checkpointing import _resume_mode, _save_mode
 from .config import TrainConfig, _lr_schedule
@@ -394,7 +394,7 @@ class _ModeRun:
         state_bytes = optimizer_state_bytes(self.optimizer)
         if self.sharded:
             total = torch.tensor(float(state_bytes), dtype=torch.float64)
-            torch.distributed.all_reduce(total)
+            _all_reduce_(total, torch.distributed.ReduceOp.SUM, None)  # (nccl: through a CUDA copy)
             state_bytes = int(total.item())
         return state_bytes
 

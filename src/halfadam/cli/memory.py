@@ -14,6 +14,8 @@ import gc
 
 import torch
 
+from halfadam.distributed import _all_reduce_
+
 #: The probe's last reading follows this many steps (or every step of a shorter run).
 MEASURED_STEPS = 3
 
@@ -59,7 +61,7 @@ class MemoryProbe:
         device_peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         if world > 1:
             both = torch.tensor([float(host_added or 0), float(device_peak or 0)], dtype=torch.float64)
-            torch.distributed.all_reduce(both)
+            _all_reduce_(both, torch.distributed.ReduceOp.SUM, None)  # (nccl: through a CUDA copy)
             host_added = None if host_added is None else int(both[0].item())
             device_peak = None if device_peak is None else int(both[1].item())
         return {
