@@ -238,6 +238,36 @@ def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dic
         dist.destroy_process_group()
 
 
+@needs_gloo
+@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
+def test_zero_load_into_a_stepped_optimizer_resumes_bit_for_bit(tmp_path, mode):
+    """ZeroRedundancyOptimizer.load_state_dict replaces the local optimizer's state dicts: an optimizer that
+    stepped before (its state in flat buckets) must step from the loaded values, not from its buckets'."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        def zero(seed):
+            torch.manual_seed(seed)
+            m = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 128)).to(torch.bfloat16)
+            return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=halfadam.AdamW, lr=1e-2,
+                                              weight_decay=0.1, state_mode=mode)
+        model, opt = zero(0)
+        train(model, opt, 3)
+        opt.consolidate_state_dict(to=0)
+        osd, msd = saved(opt.state_dict()), saved(model.state_dict())
+        train(model, opt, 2, start=3)
+        model2, opt2 = zero(1)
+        train(model2, opt2, 2, start=7)  # stepped: its state lives in its buckets
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(copy.deepcopy(osd))
+        train(model2, opt2, 2, start=3)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+        assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("mode", CODES)
 def test_dcp_checkpoints_with_and_without_the_label_load_bit_for_bit(tmp_path, monkeypatch, mode):

@@ -106,6 +106,7 @@ class Bucket:
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
+        self._attached: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(params)  # attach's step, exp_avg
         #: what a kernel keeps between steps (the Triton kernel's work lists and tensor table)
         self.kernel_cache: Dict[object, object] = {}
 
@@ -199,14 +200,14 @@ class Bucket:
             else:
                 v.zero_()
             state[key] = v
+        self._attached[i] = (state["step"], state["exp_avg"])
 
     def is_attached(self, state: dict, i: int) -> bool:
-        """Whether ``state``'s tensors are still this bucket's views (not replaced, e.g. by a load)."""
-        st = state.get("step")
-        if st is None or st.data_ptr() != self.steps[i].data_ptr():
-            return False
-        ea, flat = state.get("exp_avg"), self.flat["exp_avg"]
-        return ea is not None and ea.data_ptr() == flat.data_ptr() + flat.element_size() * self.offsets[i]
+        """Whether ``state``'s ``step`` and ``exp_avg`` are still the views :meth:`attach` put there (not
+        replaced, e.g. by a load: ``ZeroRedundancyOptimizer.load_state_dict`` puts new dicts). By identity:
+        checked every step for every parameter."""
+        attached = self._attached[i]
+        return attached is not None and state.get("step") is attached[0] and state.get("exp_avg") is attached[1]
 
     def grad_buffer(self, dtype: torch.dtype) -> Tensor:
         """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients (padding stays zero)."""

@@ -307,7 +307,7 @@ class ParamStates:
             elif _moved(p, loc, shape=False):  # shape changes: the step's validation dropped the layout
                 return None
             else:
-                if not state:
+                if not state or not loc[0].is_attached(state, loc[1]):  # none, or replaced (ZeRO's load)
                     new.append(p)
                 per_bucket.setdefault(id(loc[0]), []).append((loc[1], g))
         return per_bucket, rest, new
