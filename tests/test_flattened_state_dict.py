@@ -172,3 +172,46 @@ def test_fsdp2_flattened_round_trip_continues_bitwise(tmp_path):
     hd.launch(_worker, 2, str(tmp_path), timeout_s=60)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {mode: True for mode in MODES}
+
+
+def _save_flattened(path, model, opt):
+    osd = sd_fns.get_optimizer_state_dict(model, opt, options=sd_fns.StateDictOptions(**FLAT))
+    dcp.save({"model": sd_fns.get_model_state_dict(model), "optim": osd}, checkpoint_id=str(path))
+
+
+def test_halfadam_helpers_name_a_flattened_checkpoint(tmp_path):
+    model, opt = make("compact")
+    train(model, opt, 2)
+    _save_flattened(tmp_path / "ckpt", model, opt)
+    model2, opt2 = make("compact", seed=1)
+    with pytest.raises(halfadam.checkpoint.CheckpointError, match="flattened .*flatten_optimizer_state_dict=True"):
+        hd.load_checkpoint(tmp_path / "ckpt", model2, opt2)
+    with pytest.raises(halfadam.checkpoint.CheckpointError, match="flattened"):
+        hd.get_optimizer_state_dict(model2, opt2, checkpoint_id=tmp_path / "ckpt")
+    assert not opt2.state
+
+
+def test_a_fresh_optimizer_whose_state_dcp_did_not_make(tmp_path):
+    """With gradients present DCP's get_optimizer_state_dict skips its own initialisation, and its flattened
+    set rebuilds no entry: the load names the empty entry and init_state; after init_state it resumes bitwise."""
+    model, opt = make("tiny")
+    train(model, opt, 3)
+    _save_flattened(tmp_path / "ckpt", model, opt)
+    train(model, opt, 2, start=3)
+    options = sd_fns.StateDictOptions(**FLAT)
+    for init in (False, True):
+        model2, opt2 = make("tiny", seed=1)
+        model2(torch.zeros(1, 256, dtype=torch.bfloat16)).float().sum().backward()  # a dry run: .grad set
+        if init:
+            hd.init_state(opt2)
+        target = {"model": sd_fns.get_model_state_dict(model2),
+                  "optim": sd_fns.get_optimizer_state_dict(model2, opt2, options=options)}
+        dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+        sd_fns.set_model_state_dict(model2, target["model"])
+        if not init:
+            with pytest.raises(halfadam.checkpoint.CheckpointError, match=r"state entry is empty.*init_state"):
+                sd_fns.set_optimizer_state_dict(model2, opt2, target["optim"], options=options)
+            continue
+        sd_fns.set_optimizer_state_dict(model2, opt2, target["optim"], options=options)
+        train(model2, opt2, 2, start=3)
+        assert bitwise(weights(model2), weights(model))

@@ -262,7 +262,8 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
     Raises:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
         ValueError: ``checkpoint_id`` with ``flatten_optimizer_state_dict=True`` in ``options``.
-        CheckpointError: nothing is saved under ``key`` in ``checkpoint_id`` (the message lists the
+        CheckpointError: the state under ``key`` in ``checkpoint_id`` was saved flattened, or nothing is
+            saved under ``key`` (the message lists the
             keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest or names a
             global that DCP's metadata never holds (it is unpickled admitting only DCP's classes).
     """
@@ -286,6 +287,7 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
     _nested(options)
+    _nested_checkpoint(saved_keys, key, checkpoint_id)
     layout = _layout_of(optimizer, checkpoint_id, saved_keys, key, staging)
     init_state(layout)
     osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
@@ -301,7 +303,20 @@ def _nested(options: Any) -> None:
     if getattr(options, "flatten_optimizer_state_dict", False):
         raise ValueError("halfadam's checkpoint_id, save_checkpoint and load_checkpoint take the nested optimizer "
                          "state dict: pass options without flatten_optimizer_state_dict=True, or use DCP's functions "
-                         "(a flattened state dict loads into an optimizer of its own state mode)")
+                         "(a flattened state dict loads into an optimizer of the state mode it was saved in)")
+
+
+def _nested_checkpoint(saved_keys: Any, key: str, checkpoint_id: Any) -> None:
+    """Raise CheckpointError where the optimizer state dict under ``key`` was saved flattened (DCP's
+    ``flatten_optimizer_state_dict=True``: ``<key>.param_groups.<parameter name>.<hyperparameter>``, and no
+    group's ``<key>.param_groups.<index>.params`` as the nested one has)."""
+    prefix = f"{key}.param_groups."
+    names = [name[len(prefix):] for name in saved_keys if name.startswith(prefix)]
+    if names and not any(name.endswith(".params") and name[:-len(".params")].isdigit() for name in names):
+        raise CheckpointError(
+            f"the checkpoint {checkpoint_id} holds the optimizer state under {key!r} flattened "
+            f"(flatten_optimizer_state_dict=True): load it with DCP's get/set_optimizer_state_dict and the same "
+            f"options, into an optimizer of the state mode it was saved in")
 
 
 def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -> None:
@@ -549,7 +564,8 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
 
     Raises:
         ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is read).
-        CheckpointError: a file fails the manifest (the message names it), ``.metadata`` or a
+        CheckpointError: the optimizer state was saved flattened (``flatten_optimizer_state_dict=True``), a
+            file fails the manifest (the message names it), ``.metadata`` or a
             non-tensor item names a global a halfadam checkpoint never holds (named, with its file;
             nothing of it runs), nothing is saved under ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
             derives from ``BaseException``, is the cause), or the optimizer state does not fit
@@ -568,6 +584,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     if optimizer is not None:
         if model is None:
             raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
+        _nested_checkpoint(keys, key, checkpoint_id)
         groups = len(_saved_groups(keys, key))
         if groups and groups != len(optimizer.param_groups):
             raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "

@@ -501,6 +501,12 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
     encoding, shapes and dtypes, and its step."""
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where}: its state in the checkpoint must be a dict, got {type(saved).__name__}")
+    if not saved:
+        raise CheckpointError(
+            f"{where}: its state entry is empty. DCP's set_optimizer_state_dict with "
+            f"flatten_optimizer_state_dict=True rebuilds each entry from the keys of the optimizer's own state, "
+            f"which this optimizer had not made yet: call halfadam.distributed.init_state(optimizer) (or use "
+            f"halfadam.distributed.get_optimizer_state_dict) before getting the state dict to load into")
     use_master = optimizer._states.use_master(p, group)  # type: ignore[attr-defined]
     try:
         saved = dict(encodings.unlabelled(saved, where))  # 8-bit codes: the step count from under their label
