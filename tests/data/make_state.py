@@ -4,7 +4,9 @@ path, kept as test data so that later releases are tested against files an old o
 
 - state_2026-12-06: commit 1aa0217 (``exp_avg_sq`` over 27 binades in ``exp_avg_sq_scale``, labelled
   ``halfadam 8-bit codes v1``);
-- state_2026-12-07: commit 8d467ef (``exp_avg_sq`` over 46 binades in ``exp_avg_sq_base``, labelled v2).
+- state_2026-12-07: commit 8d467ef (``exp_avg_sq`` over 46 binades in ``exp_avg_sq_base``, labelled v2);
+- state_2026-12-07b: commit 673f2dc (the codes of 2026-12-07b in ``exp_avg_sq_exponent``, labelled v3 in bytes,
+  the last release before the dict labels).
 
     git worktree add /tmp/old <commit> && PYTHONPATH=/tmp/old/src python tests/data/make_state.py <DIR>
 
