@@ -1,6 +1,7 @@
 """The mindformers AdamW contract: golden trajectories, hyperparameter forms, validation, functional call."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -246,6 +247,30 @@ def test_torch_scheduler_on_a_scheduled_lr_warns():
     with pytest.warns(UserWarning, match=r"param_groups\[0\]\['lr'\] was changed outside"):
         opt([torch.ones(2)])
     assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_loading_into_a_stepped_scheduled_optimizer_does_not_warn():
+    """A loaded group's lr is the checkpoint's step's, not a change from outside: the next step warns nothing
+    (it did, comparing it with the lr this optimizer's own last step had written)."""
+    def make():
+        p = torch.nn.Parameter(torch.zeros(2))
+        return halfadam.AdamW([p], lr=CosineWithWarmUpLR(learning_rate=1e-2, warmup_steps=2, total_steps=20))
+    opt = make()
+    for _ in range(3):
+        opt([torch.ones(2)])
+    saved = opt.state_dict()
+    other = make()
+    for _ in range(5):
+        other([torch.ones(2)])
+    other.load_state_dict(saved)
+    with torch.no_grad():  # the model's weights load apart from the optimizer's
+        other.param_groups[0]["params"][0].copy_(opt.param_groups[0]["params"][0])
+    assert other.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other([torch.ones(2)])
+        opt([torch.ones(2)])
+    assert torch.equal(other.param_groups[0]["params"][0], opt.param_groups[0]["params"][0])
 
 
 def test_a_set_of_parameters_is_rejected():

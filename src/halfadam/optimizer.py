@@ -241,6 +241,7 @@ class _AdamBase(torch.optim.Optimizer):
         nothing changed on a mismatch or a ``step`` label this version does not read.
         """
         _state_dict.load_optimizer_state_dict(self, state_dict)
+        self._written.clear()  # the loaded lr and weight decay are no change from outside (_warn_if_overridden)
 
     def to_torch_state_dict(self) -> Dict[str, Any]:
         """This state as a ``torch.optim.AdamW`` state_dict (no masters); see :mod:`halfadam.checkpoint`."""
