@@ -301,6 +301,11 @@ def test_split_checkpoint_of_float16_parameters_refuses_a_bfloat16_model():
     opt3 = halfadam.AdamW(same.parameters(), lr=1e-3, state_mode="split")
     opt3.load_state_dict(sd)
     assert torch.equal(opt3.master_weight(same.weight), opt.master_weight(lin.weight))
+    for bad in ({"int8": 1}, {"float16": 1, "bfloat16": 1}, 16):
+        with pytest.raises(CheckpointError, match=r"parameter 0 .*remainder_dtype must be \{'float16': 1\} or"):
+            opt3.load_state_dict({**sd, "state": {**sd["state"], 0: {**sd["state"][0], "remainder_dtype": bad}}})
+    sd["state"][0]["remainder_dtype"] = "float16"  # a str: releases up to 673f2dc
+    opt3.load_state_dict(sd)
     del sd["state"][0]["remainder_dtype"]  # a checkpoint written before the key: taken as it is
     halfadam.AdamW(same.parameters(), lr=1e-3, state_mode="split").load_state_dict(sd)
 

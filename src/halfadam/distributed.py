@@ -263,9 +263,9 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
         TypeError: ``optimizer`` is not a halfadam optimizer (with ``checkpoint_id``).
         ValueError: ``checkpoint_id`` with ``flatten_optimizer_state_dict=True`` in ``options``.
         CheckpointError: the state under ``key`` in ``checkpoint_id`` was saved flattened, or nothing is
-            saved under ``key`` (the message lists the
-            keys that are), or its ``.metadata`` fails the checkpoint's SHA-256 manifest or names a
-            global that DCP's metadata never holds (it is unpickled admitting only DCP's classes).
+            saved under ``key`` (the message lists the keys that are), or its ``.metadata`` fails the
+            checkpoint's SHA-256 manifest or names a global that DCP's metadata never holds (it is
+            unpickled admitting only DCP's classes).
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
