@@ -572,6 +572,26 @@ def test_init_from_env_outside_torchrun(monkeypatch):
         hd.launch(_worker, 0)
 
 
+@pytest.mark.parametrize("backend, expected", [
+    (None, [("init_process_group", "gloo")]),  # CUDA (mocked) unavailable: gloo, no GPU to set
+    ("nccl", [("set_device", 1), ("init_process_group", "nccl")]),
+    ("cuda:nccl,cpu:gloo", [("set_device", 1), ("init_process_group", "cuda:nccl,cpu:gloo")]),
+    ("gloo", [("init_process_group", "gloo")]),
+])
+def test_init_from_env_sets_the_gpu_for_any_nccl_backend(monkeypatch, backend, expected):
+    """Under torchrun (mocked: no process group is made) a backend with nccl in it sets LOCAL_RANK's GPU first."""
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda b: calls.append(("init_process_group", b)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert hd.init_from_env(backend) == (1, 2)
+    assert calls == expected
+
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "distributed_train.py"
 
 

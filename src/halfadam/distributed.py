@@ -787,7 +787,9 @@ def init_from_env(backend: Optional[str] = None) -> Tuple[int, int]:
 
     Does nothing and returns ``(0, 1)`` outside ``torchrun`` (no ``WORLD_SIZE`` in the environment)
     or when the group already exists (then returns its rank and size). ``backend`` defaults to
-    ``"nccl"`` when CUDA is available, else ``"gloo"``.
+    ``"nccl"`` when CUDA is available, else ``"gloo"``; any backend with nccl in it (``"nccl"``, or
+    ``"cuda:nccl,cpu:gloo"``, which gives CPU tensors gloo: FSDP2's CPU offload) first sets this
+    process's GPU, ``LOCAL_RANK``.
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -795,7 +797,7 @@ def init_from_env(backend: Optional[str] = None) -> Tuple[int, int]:
     if "WORLD_SIZE" not in os.environ:
         return 0, 1
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
