@@ -275,7 +275,9 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
         return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
     from ._dcp_io import ChecksummedReader
 
+    _nested(options)
     saved_keys = ChecksummedReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    _nested_checkpoint(saved_keys, key, checkpoint_id)
     return _checkpoint_layout(model, optimizer, options, checkpoint_id, saved_keys, key)
 
 
@@ -286,8 +288,6 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
     optimizer's), so ``dcp.load`` writes nothing of ``optimizer``'s."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    _nested(options)
-    _nested_checkpoint(saved_keys, key, checkpoint_id)
     layout = _layout_of(optimizer, checkpoint_id, saved_keys, key, staging)
     init_state(layout)
     osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
@@ -298,8 +298,8 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
 
 def _nested(options: Any) -> None:
     """Raise ValueError where ``options`` (DCP's ``StateDictOptions``) flattens the optimizer state dict:
-    laying the state out as a checkpoint saved it (``checkpoint_id``, :func:`load_checkpoint`) reads the
-    nested one."""
+    :func:`save_checkpoint`, :func:`load_checkpoint` and ``checkpoint_id`` (which lay the state out as the
+    checkpoint saved it) take the nested one. Called by each before it reads or writes anything."""
     if getattr(options, "flatten_optimizer_state_dict", False):
         raise ValueError("halfadam's checkpoint_id, save_checkpoint and load_checkpoint take the nested optimizer "
                          "state dict: pass options without flatten_optimizer_state_dict=True, or use DCP's functions "
@@ -329,17 +329,16 @@ def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -
     (``step``: a tensor in checkpoints of 8-bit codes written before their label, bytes in those up to
     673f2dc, a dict since, :data:`halfadam.encodings.CODES_LABEL`), takes the checkpoint's kind."""
     prefix = f"{key}.state."
-    names = sorted(state, key=len, reverse=True)  # a parameter's name is no other's prefix before a "."
     saved: Dict[str, Dict[str, Any]] = {}
     for name, meta in saved_keys.items():
-        rest = name[len(prefix):] if name.startswith(prefix) else None
-        fqn = next((n for n in names if rest is not None and rest.startswith(f"{n}.")), None)
-        if fqn is not None:
-            node = saved.setdefault(fqn, {})
-            *path, leaf = rest[len(fqn) + 1:].split(".")  # a nested field (a dict): one level per "."
-            for part in path:
-                node = node.setdefault(part, {})
-            node[leaf] = meta
+        if not name.startswith(prefix):
+            continue
+        parts = name[len(prefix):].split(".")  # <parameter name>.<field>[.<key in a nested field>]
+        for cut in range(len(parts) - 1, 0, -1):  # the longest leading run that names a parameter (names hold dots)
+            fqn = ".".join(parts[:cut])
+            if fqn in state:
+                _nest(saved.setdefault(fqn, {}), ".".join(parts[cut:]), meta)
+                break
     for fqn in list(state):
         if fqn in saved:
             state[fqn] = _saved_kinds(state[fqn], saved[fqn])
@@ -394,12 +393,17 @@ def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
     for name in saved_keys:
         if name.startswith(prefix):
             index, _, rest = name[len(prefix):].partition(".")
-            node = groups.setdefault(int(index), {})
-            *path, leaf = rest.split(".")
-            for part in path:
-                node = node.setdefault(part, {})
-            node[leaf] = None
+            _nest(groups.setdefault(int(index), {}), rest, None)
     return [groups[i] for i in sorted(groups)]
+
+
+def _nest(tree: Dict[str, Any], dotted: str, value: Any) -> None:
+    """Put ``value`` into ``tree`` (nested dicts, in place) at the path of a DCP key's ``dotted`` rest
+    (DCP flattens nested dicts with "."): ``"step.halfadam_step"`` is ``tree["step"]["halfadam_step"]``."""
+    *path, leaf = dotted.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
 
 
 def _saved_format(saved: Dict[str, Any]) -> Any:
@@ -577,6 +581,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
 
     from ._dcp_io import ChecksummedReader, SafeLoadPlanner
 
+    _nested(options)
     where = f"cannot load the checkpoint {checkpoint_id}"
     with _checkpoint_errors(where):
         reader = ChecksummedReader(str(checkpoint_id))
