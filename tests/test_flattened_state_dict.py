@@ -52,20 +52,31 @@ def weights(model):
     return [full(p.detach()).clone() for p in model.parameters()]
 
 
-def resumed(mode, path, wrap=lambda m: m, rows=slice(None)):
-    """Train 3 steps, save the flattened optimizer state dict (torch's functions) with DCP, load it into a fresh
-    model and optimizer, train 2 more; returns the weights of the resumed and of the uninterrupted run."""
-    model, opt = make(mode, wrap=wrap)
-    train(model, opt, 3, rows=rows)
+def save_flattened(path, model, opt):
+    """The model and the flattened optimizer state dict (torch's functions), saved with DCP."""
     osd = sd_fns.get_optimizer_state_dict(model, opt, options=sd_fns.StateDictOptions(**FLAT))
     assert "state" not in osd and all("." in k for k in osd)  # flattened: one key per value
     dcp.save({"model": sd_fns.get_model_state_dict(model), "optim": osd}, checkpoint_id=str(path))
-    model2, opt2 = make(mode, seed=1, wrap=wrap)
-    target = {"model": sd_fns.get_model_state_dict(model2),
-              "optim": sd_fns.get_optimizer_state_dict(model2, opt2, options=sd_fns.StateDictOptions(**FLAT))}
+
+
+def load_flattened(path, model, opt):
+    """:func:`save_flattened`'s checkpoint loaded into ``model`` and ``opt`` (torch's functions)."""
+    options = sd_fns.StateDictOptions(**FLAT)
+    target = {"model": sd_fns.get_model_state_dict(model),
+              "optim": sd_fns.get_optimizer_state_dict(model, opt, options=options)}
     dcp.load(target, checkpoint_id=str(path))
-    sd_fns.set_model_state_dict(model2, target["model"])
-    sd_fns.set_optimizer_state_dict(model2, opt2, target["optim"], options=sd_fns.StateDictOptions(**FLAT))
+    sd_fns.set_model_state_dict(model, target["model"])
+    sd_fns.set_optimizer_state_dict(model, opt, target["optim"], options=options)
+
+
+def resumed(mode, path, wrap=lambda m: m, rows=slice(None)):
+    """Train 3 steps, save the flattened optimizer state dict with DCP, load it into a fresh model and
+    optimizer, train 2 more; returns the weights of the resumed and of the uninterrupted run."""
+    model, opt = make(mode, wrap=wrap)
+    train(model, opt, 3, rows=rows)
+    save_flattened(path, model, opt)
+    model2, opt2 = make(mode, seed=1, wrap=wrap)
+    load_flattened(path, model2, opt2)
     train(model, opt, 2, start=3, rows=rows)
     train(model2, opt2, 2, start=3, rows=rows)
     return weights(model2), weights(model)
@@ -174,15 +185,10 @@ def test_fsdp2_flattened_round_trip_continues_bitwise(tmp_path):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {mode: True for mode in MODES}
 
 
-def _save_flattened(path, model, opt):
-    osd = sd_fns.get_optimizer_state_dict(model, opt, options=sd_fns.StateDictOptions(**FLAT))
-    dcp.save({"model": sd_fns.get_model_state_dict(model), "optim": osd}, checkpoint_id=str(path))
-
-
 def test_halfadam_helpers_name_a_flattened_checkpoint(tmp_path):
     model, opt = make("compact")
     train(model, opt, 2)
-    _save_flattened(tmp_path / "ckpt", model, opt)
+    save_flattened(tmp_path / "ckpt", model, opt)
     model2, opt2 = make("compact", seed=1)
     with pytest.raises(halfadam.checkpoint.CheckpointError, match="flattened .*flatten_optimizer_state_dict=True"):
         hd.load_checkpoint(tmp_path / "ckpt", model2, opt2)
@@ -196,22 +202,16 @@ def test_a_fresh_optimizer_whose_state_dcp_did_not_make(tmp_path):
     set rebuilds no entry: the load names the empty entry and init_state; after init_state it resumes bitwise."""
     model, opt = make("tiny")
     train(model, opt, 3)
-    _save_flattened(tmp_path / "ckpt", model, opt)
+    save_flattened(tmp_path / "ckpt", model, opt)
     train(model, opt, 2, start=3)
-    options = sd_fns.StateDictOptions(**FLAT)
     for init in (False, True):
         model2, opt2 = make("tiny", seed=1)
         model2(torch.zeros(1, 256, dtype=torch.bfloat16)).float().sum().backward()  # a dry run: .grad set
-        if init:
-            hd.init_state(opt2)
-        target = {"model": sd_fns.get_model_state_dict(model2),
-                  "optim": sd_fns.get_optimizer_state_dict(model2, opt2, options=options)}
-        dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
-        sd_fns.set_model_state_dict(model2, target["model"])
         if not init:
             with pytest.raises(halfadam.checkpoint.CheckpointError, match=r"state entry is empty.*init_state"):
-                sd_fns.set_optimizer_state_dict(model2, opt2, target["optim"], options=options)
+                load_flattened(tmp_path / "ckpt", model2, opt2)
             continue
-        sd_fns.set_optimizer_state_dict(model2, opt2, target["optim"], options=options)
+        hd.init_state(opt2)
+        load_flattened(tmp_path / "ckpt", model2, opt2)
         train(model2, opt2, 2, start=3)
         assert bitwise(weights(model2), weights(model))

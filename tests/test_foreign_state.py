@@ -199,73 +199,70 @@ def test_master_state_dict_is_unchanged_by_the_label():
     assert torch.equal(out["0.weight"], opt.master_weight(model[0].weight))
 
 
-@needs_gloo
-@pytest.mark.parametrize("mode", CODES)
-def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dict(tmp_path, mode):
-    """ZeroRedundancyOptimizer.load_state_dict puts each entry into the local optimizer's state as it
-    is (label included): halfadam takes its step count back at the next step."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo process group (ZeroRedundancyOptimizer needs one)."""
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        def zero(seed):
-            torch.manual_seed(seed)
-            m = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 128)).to(torch.bfloat16)
-            return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=halfadam.AdamW, lr=1e-2,
-                                              weight_decay=0.1, state_mode=mode)
-        model, opt = zero(0)
-        train(model, opt, 3)
-        opt.consolidate_state_dict(to=0)
-        osd, msd = saved(opt.state_dict()), saved(model.state_dict())
-        assert osd["state"][0]["step"][E.CODES_KEY] == 3
-        train(model, opt, 2, start=3)
-        with pytest.raises(TypeError, match="not 'dict'"):
-            torch.optim.AdamW(zero(1)[0].parameters()).load_state_dict(copy.deepcopy(osd))
-        model2, opt2 = zero(1)
-        model2.load_state_dict(msd)
-        opt2.load_state_dict(copy.deepcopy(osd))
-        train(model2, opt2, 2, start=3)
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
-        assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
-        bad = copy.deepcopy(osd)
-        bad["state"][0]["step"] = b"halfadam 8-bit codes v3"
-        model3, opt3 = zero(1)
-        opt3.load_state_dict(bad)  # torch's: as it is
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: its state is labelled "
-                                             r"b'halfadam 8-bit codes v3'"):
-            train(model3, opt3, 1)
-    finally:
-        dist.destroy_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def zero(seed, mode):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 128)).to(torch.bfloat16)
+    return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=halfadam.AdamW, lr=1e-2, weight_decay=0.1,
+                                      state_mode=mode)
+
+
+def zero_run(mode):
+    """A ZeRO run: 3 steps, its consolidated optimizer and model state dicts (copies), then 2 steps more."""
+    model, opt = zero(0, mode)
+    train(model, opt, 3)
+    opt.consolidate_state_dict(to=0)
+    osd, msd = saved(opt.state_dict()), saved(model.state_dict())
+    train(model, opt, 2, start=3)
+    return model, opt, osd, msd
+
+
+@needs_gloo
+@pytest.mark.parametrize("mode", CODES)
+def test_zero_redundancy_optimizer_resumes_bit_for_bit_and_torch_refuses_its_dict(one_rank, mode):
+    """ZeroRedundancyOptimizer.load_state_dict puts each entry into the local optimizer's state as it
+    is (label included): halfadam takes its step count back at the next step."""
+    model, opt, osd, msd = zero_run(mode)
+    assert osd["state"][0]["step"][E.CODES_KEY] == 3
+    with pytest.raises(TypeError, match="not 'dict'"):
+        torch.optim.AdamW(zero(1, mode)[0].parameters()).load_state_dict(copy.deepcopy(osd))
+    model2, opt2 = zero(1, mode)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(copy.deepcopy(osd))
+    train(model2, opt2, 2, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
+    bad = copy.deepcopy(osd)
+    bad["state"][0]["step"] = b"halfadam 8-bit codes v3"
+    model3, opt3 = zero(1, mode)
+    opt3.load_state_dict(bad)  # torch's: as it is
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: its state is labelled "
+                                         r"b'halfadam 8-bit codes v3'"):
+        train(model3, opt3, 1)
 
 
 @needs_gloo
 @pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
-def test_zero_load_into_a_stepped_optimizer_resumes_bit_for_bit(tmp_path, mode):
+def test_zero_load_into_a_stepped_optimizer_resumes_bit_for_bit(one_rank, mode):
     """ZeroRedundancyOptimizer.load_state_dict replaces the local optimizer's state dicts: an optimizer that
     stepped before (its state in flat buckets) must step from the loaded values, not from its buckets'."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    dist = torch.distributed
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        def zero(seed):
-            torch.manual_seed(seed)
-            m = nn.Sequential(nn.Linear(256, 8), nn.Tanh(), nn.Linear(8, 128)).to(torch.bfloat16)
-            return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=halfadam.AdamW, lr=1e-2,
-                                              weight_decay=0.1, state_mode=mode)
-        model, opt = zero(0)
-        train(model, opt, 3)
-        opt.consolidate_state_dict(to=0)
-        osd, msd = saved(opt.state_dict()), saved(model.state_dict())
-        train(model, opt, 2, start=3)
-        model2, opt2 = zero(1)
-        train(model2, opt2, 2, start=7)  # stepped: its state lives in its buckets
-        model2.load_state_dict(msd)
-        opt2.load_state_dict(copy.deepcopy(osd))
-        train(model2, opt2, 2, start=3)
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
-        assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
-    finally:
-        dist.destroy_process_group()
+    model, opt, osd, msd = zero_run(mode)
+    model2, opt2 = zero(1, mode)
+    train(model2, opt2, 2, start=7)  # stepped: its state lives in its buckets
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(copy.deepcopy(osd))
+    train(model2, opt2, 2, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert same_state(state_bits(opt.optim), state_bits(opt2.optim))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
