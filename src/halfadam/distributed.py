@@ -568,12 +568,12 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
 
     Raises:
         ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is read).
-        CheckpointError: the optimizer state was saved flattened (``flatten_optimizer_state_dict=True``), a
-            file fails the manifest (the message names it), ``.metadata`` or a
-            non-tensor item names a global a halfadam checkpoint never holds (named, with its file;
-            nothing of it runs), nothing is saved under ``key``, other parameter groups, DCP fails to read (its ``CheckpointException``, which
-            derives from ``BaseException``, is the cause), or the optimizer state does not fit
-            ``optimizer`` (its ``load_state_dict``'s message).
+        CheckpointError: the optimizer state was saved flattened (``flatten_optimizer_state_dict=True``);
+            a file fails the manifest (named); ``.metadata`` or a non-tensor item names a global a
+            halfadam checkpoint never holds (named, with its file; nothing of it runs); nothing is saved
+            under ``key``; other parameter groups; DCP fails to read (its ``CheckpointException``, a
+            ``BaseException``, is the cause); or the state does not fit ``optimizer`` (its
+            ``load_state_dict``'s message).
         KeyboardInterrupt, SystemExit: as raised, also from inside DCP (nothing changed).
     """
     import torch.distributed.checkpoint as dcp
@@ -594,8 +594,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         if groups and groups != len(optimizer.param_groups):
             raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
                                   f"{len(optimizer.param_groups)}")
-    # parameters without state: DCP's layout of a torch optimizer, and halfadam's load, make it; a
-    # failure takes it away again
+    # state DCP's layout (torch optimizers) and halfadam's load make for stateless parameters; a failure drops it
     fresh = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]
                                           if not optimizer.state.get(p)]
     backup = None
