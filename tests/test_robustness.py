@@ -331,9 +331,11 @@ def test_torch_flags_off_and_user_keys_in_groups():
     opt = halfadam.AdamW([{"params": [p], "foreach": False, "fused": False, "lr_scale": 0.5, "layer_id": 3}])
     assert opt.param_groups[0]["lr_scale"] == 0.5 and opt.param_groups[0]["layer_id"] == 3
     halfadam.AdamW([{"params": [p], "foreach": None, "fused": None}])
-    for key in ("foreach", "fused"):
-        with pytest.raises(ValueError, match=rf"\['{key}'\]=True is not supported.*implementation="):
-            halfadam.AdamW([{"params": [p], key: True}])
+    halfadam.AdamW([{"params": [p], "foreach": False, "fused": True}])
+    with pytest.raises(ValueError, match=r"\['fused'\] and .*\['foreach'\] cannot be True together"):
+        halfadam.AdamW([{"params": [p], "foreach": True, "fused": True}])
+    with pytest.raises(ValueError, match=r"\['fused'\]=1 is not supported.*implementation="):
+        halfadam.AdamW([{"params": [p], "fused": 1}])
     with pytest.raises(ValueError, match="amsgrad"):
         halfadam.AdamW([{"params": [p], "amsgrad": True}])
     p.grad = torch.ones(3)
@@ -348,10 +350,33 @@ def test_torch_flags_as_constructor_arguments():
     for cls in (halfadam.AdamW, halfadam.Adam):
         cls([p], foreach=False, fused=False, amsgrad=False, maximize=False, capturable=False, differentiable=False)
         cls([p], foreach=None, fused=None)
-        with pytest.raises(ValueError, match=rf"{cls.__name__}\(fused=...\)=True is not supported.*implementation="):
-            cls([p], fused=True)
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\(fused=...\) and .*cannot be True together"):
+            cls([p], foreach=True, fused=True)
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\(fused=...\)='yes' is not supported.*implementation="):
+            cls([p], fused="yes")
         with pytest.raises(ValueError, match="maximize"):
             cls([p], maximize=True)
+
+
+@pytest.mark.parametrize("hints", [dict(fused=True, foreach=False), dict(foreach=True), dict(fused=True)])
+def test_torch_kernel_hints_change_nothing(hints):
+    """torch's foreach/fused hints (torchtitan's optimizer_kwargs pass fused=True, foreach=False) are
+    accepted and step the same bits as the default, in a packed mode too; the hints are not stored."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 256).bfloat16()
+    runs = []
+    for kw in ({}, hints):
+        p = torch.nn.Parameter(w.clone())
+        opt = halfadam.AdamW([p], lr=1e-2, weight_decay=0.1, state_mode="compact", **kw)
+        for step in range(3):
+            p.grad = torch.randn(4, 256, generator=torch.Generator().manual_seed(step)).bfloat16()
+            opt.step()
+        runs.append((p.detach().clone(), opt.state_dict()))
+    assert torch.equal(runs[0][0].view(torch.int16), runs[1][0].view(torch.int16))
+    for key, value in runs[0][1]["state"][0].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, runs[1][1]["state"][0][key]), key
+    assert runs[0][1]["param_groups"] == runs[1][1]["param_groups"]
 
 
 def test_fp16_to_bf16_restarts_split_masters_with_a_warning():

@@ -465,8 +465,8 @@ class AdamW(_AdamBase):
             torch does) or of dicts (parameter groups with ``params`` and optionally
             ``lr``/``learning_rate``, ``betas``, ``eps``, ``weight_decay``, ``decay``,
             ``optimized_update``, ``master_weights``, and torch.optim.AdamW's flags at their off value
-            (``amsgrad=False``, ``maximize=False``, ``foreach`` and ``fused`` None or False,
-            ``capturable=False``, ``differentiable=False``); any other key is the user's metadata
+            (``amsgrad=False``, ``maximize=False``, ``capturable=False``, ``differentiable=False``;
+            the kernel hints ``foreach`` and ``fused`` None, False or True); any other key is the user's metadata
             (``param_names``, ``initial_lr``, timm's ``lr_scale``...) and is kept untouched, as
             torch keeps it); one dict may instead hold
             ``order_params``, the parameters in the order the optimizer stores and iterates them
@@ -519,8 +519,12 @@ class AdamW(_AdamBase):
             DTensor, half without master weights) are a ValueError at the step.
         amsgrad: torch.optim.AdamW's flag, accepted at its "off" value ``False`` (the default), so
             code written for torch runs unchanged; any other value is a ValueError. The same holds
-            for ``maximize`` and ``differentiable`` (``False``) and ``foreach`` and ``fused``
-            (``None`` or ``False``).
+            for ``maximize`` and ``differentiable`` (``False``).
+        foreach: torch.optim.AdamW's kernel hint, accepted as ``None``, ``False`` or ``True`` and
+            changing nothing: every implementation computes the same bits, ``implementation``
+            chooses one, and ``"auto"`` runs one kernel per bucket already.
+        fused: the same (torchtitan passes ``fused=True, foreach=False``); ``foreach`` and ``fused``
+            both ``True`` is a ValueError, as in torch.
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or
@@ -539,7 +543,7 @@ class AdamW(_AdamBase):
             four; lr or weight_decay negative; a beta outside (0.0, 1.0); eps <= 0; nan or inf in any
             of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
             the meta device; a torch flag halfadam does not implement (``maximize=True``,
-            ``amsgrad=True``, ``fused=True``...); bad ``order_params``; an unknown ``state_mode``
+            ``amsgrad=True``, ``maximize=True``...; ``foreach`` and ``fused`` both True); bad ``order_params``; an unknown ``state_mode``
             or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter whose
             local shard is not whole rows (a dim other than 0 sharded) where the state mode keeps
             per-block state (split masters, uint8 moments).

@@ -18,7 +18,7 @@ from .encodings import StateFormat
 from .functional import DECAY_MODES
 from .kernels import cpp as cpu_kernel
 
-__all__ = ["STATE_FORMAT_KEYS", "TORCH_FLAGS_OFF", "check_disjoint", "check_grad", "check_group_keys",
+__all__ = ["STATE_FORMAT_KEYS", "TORCH_FLAGS_ACCEPTED", "check_disjoint", "check_grad", "check_group_keys",
            "check_order_params", "check_pairs", "check_param", "check_step_keys", "check_torch_flags", "check_writable", "is_named",
            "normalize_group", "raise_foreign_key", "split_params"]
 
@@ -35,23 +35,31 @@ def raise_foreign_key(grads: Mapping, groups: List[Dict[str, Any]]) -> None:
 
 #: The optimizer's state-format arguments: accepted in a group when they repeat the optimizer's.
 STATE_FORMAT_KEYS = ("state_mode", "store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype")
-#: torch.optim.AdamW's group flags and the values that mean "off" (what halfadam does); any other
-#: value asks for an algorithm or kernel halfadam does not implement. Other keys a group holds are the
-#: user's (timm's ``lr_scale``, a ``layer_id``...): kept untouched, as torch keeps them.
-TORCH_FLAGS_OFF = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,), "differentiable": (False,),
-                    "foreach": (None, False), "fused": (None, False)}
+#: torch.optim.AdamW's group flags and the values halfadam accepts: the algorithm flags at "off" (what
+#: halfadam does; any other value asks for an algorithm it does not implement), the kernel hints
+#: ``foreach`` and ``fused`` at None, False or True (torchtitan passes ``fused=True, foreach=False``):
+#: every halfadam implementation computes the same bits, ``implementation=`` chooses one, and its
+#: default ``"auto"`` already runs one kernel per bucket, so a hint changes nothing. Other keys a group
+#: holds are the user's (timm's ``lr_scale``, a ``layer_id``...): kept untouched, as torch keeps them.
+TORCH_FLAGS_ACCEPTED = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,), "differentiable": (False,),
+                    "foreach": (None, False, True), "fused": (None, False, True)}
 
 
 def check_torch_flags(flags: Dict[str, Any], where: str) -> None:
-    """ValueError for a torch.optim.AdamW flag of ``flags`` at a value other than "off" (``where`` + key
-    names it: ``param_groups[0]['fused']`` or ``AdamW(fused=...)``)."""
-    for key, off in TORCH_FLAGS_OFF.items():
+    """ValueError for a torch.optim.AdamW flag of ``flags`` at a value halfadam does not accept
+    (:data:`TORCH_FLAGS_ACCEPTED`), or ``foreach`` and ``fused`` both True (torch's error); ``where`` +
+    key names it: ``param_groups[0]['fused']`` or ``AdamW(fused=...)``."""
+    def name(key: str) -> str:
+        return f"{where}['{key}']" if where.startswith("param_groups") else f"{where}({key}=...)"
+
+    for key, off in TORCH_FLAGS_ACCEPTED.items():
         if key in flags and not any(flags[key] is v for v in off):
             hint = " (choose the execution with implementation=...)" if key in ("foreach", "fused") else ""
             accepted = " or ".join(repr(v) for v in off)
-            name = f"{where}['{key}']" if where.startswith("param_groups") else f"{where}({key}=...)"
-            raise ValueError(f"{name}={flags[key]!r} is not supported by halfadam{hint}; only "
+            raise ValueError(f"{name(key)}={flags[key]!r} is not supported by halfadam{hint}; only "
                              f"{accepted} is accepted")
+    if flags.get("foreach") is True and flags.get("fused") is True:  # torch.optim.AdamW's rule
+        raise ValueError(f"{name('fused')} and {name('foreach')} cannot be True together (as in torch.optim.AdamW)")
 
 
 def check_group_keys(group: Dict[str, Any], where: str) -> None:
