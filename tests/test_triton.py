@@ -894,3 +894,27 @@ def test_bfloat16_subnormals_load_exactly(mode):
         runs.append(([p], opt))
     assert runs[0][1].state[runs[0][0][0]]["exp_avg"][0, 1] != 0  # the subnormal gradient reached exp_avg
     assert_same_runs(runs[0], runs[1], mode)
+
+
+def test_codes_floor_counts_each_change():
+    """benchmarks/codes_floor.py (issue 36 item 2): every row's changed codes reach the compiled kernel
+    (a change the compiler never saw would count today's codes again): each piece taken out of today's
+    codes costs fewer instructions than all of them, the uniform codes fewer still, and each of their
+    parts (random bits, nan/inf codes, the block maximum) costs some."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "codes_floor.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {}
+    for line in out.stdout.splitlines()[2:]:
+        label, count, over = line.rsplit(None, 2)
+        rows[label] = float(count)
+        assert abs(int(over) - (rows[label] - rows["split master, float32 moments (no codes)"])) <= 1  # (rounded)
+    assert len(rows) == 12
+    today = rows["today's codes (compact)"]
+    split, bf16 = rows["split master, float32 moments (no codes)"], rows["bfloat16 moments, stochastic rounding"]
+    assert split < bf16 < rows["uniform, round down, no nan/inf codes"]
+    assert max(rows["today's codes: uint8 exp_avg only"], rows["today's codes: uint8 exp_avg_sq only"]) < today
+    assert all(rows[label] < today for label in rows if label.startswith("today's, without"))
+    down, stochastic = rows["uniform, round down, no nan/inf codes"], rows["uniform, stochastic, no nan/inf codes"]
+    assert down < stochastic < rows["uniform, stochastic, nan/inf codes"] < today
+    assert rows["uniform, stochastic, no nan/inf codes, no block max"] < stochastic
