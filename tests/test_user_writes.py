@@ -113,6 +113,48 @@ def test_state_dict_and_master_state_dict_see_the_written_values(impl):
     assert torch.equal(opt.master_state_dict(half)["weight"], torch.full((3, 4), 0.75))
 
 
+@pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
+@pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
+def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, impl):
+    """``opt.state[p][key] = new`` (a framework resetting a moment, a user setting a master) between steps:
+    the next step starts from ``new``, as it does from ``opt.state[p][key].copy_(new)``, for every key
+    of every state mode (the kernels step flat buffers: a replaced key is copied in, not ignored)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 256).bfloat16()
+
+    def run(key, replace):
+        other, p = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+        donor = halfadam.AdamW([other], lr=1e-2, state_mode=mode, implementation=impl)
+        opt = halfadam.AdamW([p], lr=1e-2, weight_decay=0.1, state_mode=mode, implementation=impl)
+        for step in range(3):
+            g = torch.randn(4, 256, generator=torch.Generator().manual_seed(step)).bfloat16()
+            p.grad, other.grad = g, (-3 * g if step == 0 else None)
+            if step == 0:
+                donor.step()  # valid values of every key (codes, remainders, a tie byte) that differ from opt's
+            opt.step()
+            if step == 1:
+                new = donor.state[other][key].clone()
+                if key == "master_tie":  # (no tie in either: the first element's remainder taken as the tie)
+                    new += 1
+                assert not torch.equal(new, opt.state[p][key]), key
+                if replace:
+                    opt.state[p][key] = new
+                else:
+                    opt.state[p][key].copy_(new)
+        return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+
+    probe = torch.nn.Parameter(w.clone())
+    opt = halfadam.AdamW([probe], state_mode=mode, implementation=impl)
+    probe.grad = torch.ones_like(probe)
+    opt.step()
+    keys = [k for k in opt.state[probe] if k != "step"]
+    assert "exp_avg_sq" in keys and len(keys) >= 3
+    for key in keys:
+        (pa, sa), (pb, sb) = run(key, replace=False), run(key, replace=True)
+        assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)), key
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), key
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", HALF)
 def test_model_half_after_steps_gets_a_master(dtype, impl):
@@ -263,7 +305,8 @@ def test_expanded_parameter_is_rejected_at_construction():
 @pytest.mark.parametrize("group, exc, match", [
     ({"maximize": True}, ValueError, r"\['maximize'\]=True is not supported"),
     ({"amsgrad": True}, ValueError, r"\['amsgrad'\]=True is not supported"),
-    ({"fused": True}, ValueError, r"\['fused'\]=True .*implementation="),
+    ({"fused": "yes"}, ValueError, r"\['fused'\]='yes' .*implementation="),
+    ({"fused": True, "foreach": True}, ValueError, r"\['fused'\] and .*cannot be True together"),
     ({"master_weights": "no"}, TypeError, r"\['master_weights'\] must be None, True or False"),
     ({"optimized_update": "no"}, TypeError, r"\['optimized_update'\] must be True or False"),
     ({"decay": "L2"}, ValueError, r"\['decay'\] must be one of"),

@@ -16,6 +16,7 @@ get a gradient, and take the reference path; frozen parameters thus cost no memo
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -106,7 +107,8 @@ class Bucket:
         self._out: Optional[Tensor] = None
         self._grad_buffers: Dict[torch.dtype, Tensor] = {}
         self._views: Dict[int, List[Tensor]] = {}
-        self._attached: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(params)  # attach's step, exp_avg
+        self._attached: List[Optional[Tuple[Tensor, ...]]] = [None] * len(params)  # attach's views of _keys
+        self._keys = ("step", *self.flat)
         #: what a kernel keeps between steps (the Triton kernel's work lists and tensor table)
         self.kernel_cache: Dict[object, object] = {}
 
@@ -200,14 +202,15 @@ class Bucket:
             else:
                 v.zero_()
             state[key] = v
-        self._attached[i] = (state["step"], state["exp_avg"])
+        self._attached[i] = tuple(state[key] for key in self._keys)
 
     def is_attached(self, state: dict, i: int) -> bool:
-        """Whether ``state``'s ``step`` and ``exp_avg`` are still the views :meth:`attach` put there (not
-        replaced, e.g. by a load: ``ZeroRedundancyOptimizer.load_state_dict`` puts new dicts). By identity:
-        checked every step for every parameter."""
+        """Whether every key of ``state`` is still the view :meth:`attach` put there: none replaced by a
+        load (``ZeroRedundancyOptimizer.load_state_dict`` puts new dicts) or by the user
+        (``opt.state[p]["exp_avg_sq"] = torch.zeros_like(...)``), whose value the next step then starts
+        from. By identity: checked every step for every parameter."""
         attached = self._attached[i]
-        return attached is not None and state.get("step") is attached[0] and state.get("exp_avg") is attached[1]
+        return attached is not None and all(map(operator.is_, map(state.get, self._keys), attached))
 
     def grad_buffer(self, dtype: torch.dtype) -> Tensor:
         """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients (padding stays zero)."""
