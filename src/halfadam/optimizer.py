@@ -466,9 +466,9 @@ class AdamW(_AdamBase):
             ``lr``/``learning_rate``, ``betas``, ``eps``, ``weight_decay``, ``decay``,
             ``optimized_update``, ``master_weights``, and torch.optim.AdamW's flags at their off value
             (``amsgrad=False``, ``maximize=False``, ``capturable=False``, ``differentiable=False``;
-            the kernel hints ``foreach`` and ``fused`` None, False or True); any other key is the user's metadata
-            (``param_names``, ``initial_lr``, timm's ``lr_scale``...) and is kept untouched, as
-            torch keeps it); one dict may instead hold
+            the kernel hints ``foreach`` and ``fused`` None, False or True); any other key is the
+            user's metadata (``param_names``, ``initial_lr``, timm's ``lr_scale``...) and is kept
+            untouched, as torch keeps it); one dict may instead hold
             ``order_params``, the parameters in the order the optimizer stores and iterates them
             (exactly the groups' parameters, each once); its other keys are ignored. Each parameter
             may appear once.
@@ -543,8 +543,8 @@ class AdamW(_AdamBase):
             four; lr or weight_decay negative; a beta outside (0.0, 1.0); eps <= 0; nan or inf in any
             of them, or 0/inf once rounded to float32; a tensor lr of more than one dimension or on
             the meta device; a torch flag halfadam does not implement (``maximize=True``,
-            ``amsgrad=True``, ``maximize=True``...; ``foreach`` and ``fused`` both True); bad ``order_params``; an unknown ``state_mode``
-            or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter whose
+            ``amsgrad=True``...; ``foreach`` and ``fused`` both True); bad ``order_params``; an
+            unknown ``state_mode`` or a moment dtype other than float32/bfloat16/uint8; a DTensor (FSDP2) parameter whose
             local shard is not whole rows (a dim other than 0 sharded) where the state mode keeps
             per-block state (split masters, uint8 moments).
     """

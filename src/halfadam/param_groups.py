@@ -42,7 +42,7 @@ STATE_FORMAT_KEYS = ("state_mode", "store_param_remainders", "exp_avg_dtype", "e
 #: default ``"auto"`` already runs one kernel per bucket, so a hint changes nothing. Other keys a group
 #: holds are the user's (timm's ``lr_scale``, a ``layer_id``...): kept untouched, as torch keeps them.
 TORCH_FLAGS_ACCEPTED = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,), "differentiable": (False,),
-                    "foreach": (None, False, True), "fused": (None, False, True)}
+                        "foreach": (None, False, True), "fused": (None, False, True)}
 
 
 def check_torch_flags(flags: Dict[str, Any], where: str) -> None:
