@@ -193,12 +193,12 @@ def instructions(kernel, kinds: Tuple[int, int, int]) -> float:
 def main() -> int:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # nothing from an earlier compile of another source
     print("compact's launch on sm_90 (bf16 parameters, float32 gradients, aligned), SASS per element; target 110")
-    print(f"{'codes':56s} {'SASS':>5s} {'over split':>10s}")
+    print("codes (today's: those of 2026-12-07b)".ljust(56), f"{'SASS':>5s} {'over split':>10s}")
     split = None
     for n, (label, (src, kinds)) in enumerate(sources().items()):
         count = instructions(_kernel_module(src, n), kinds)
         split = count if split is None else split
-        print(f"{label:56s} {count:5.0f} {count - split:+10.0f}", flush=True)
+        print(f"{label:56s} {count:5.1f} {count - split:+10.1f}", flush=True)
     return 0
 
 

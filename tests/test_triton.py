@@ -908,7 +908,7 @@ def test_codes_floor_counts_each_change():
     for line in out.stdout.splitlines()[2:]:
         label, count, over = line.rsplit(None, 2)
         rows[label] = float(count)
-        assert abs(int(over) - (rows[label] - rows["split master, float32 moments (no codes)"])) <= 1  # (rounded)
+        assert abs(float(over) - (rows[label] - rows["split master, float32 moments (no codes)"])) <= 0.11
     assert len(rows) == 12
     today = rows["today's codes (compact)"]
     split, bf16 = rows["split master, float32 moments (no codes)"], rows["bfloat16 moments, stochastic rounding"]

@@ -4,6 +4,7 @@ Every expected value comes from torch.optim.AdamW on float32 copies that were gi
 """
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -153,6 +154,28 @@ def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, imp
         (pa, sa), (pb, sb) = run(key, replace=False), run(key, replace=True)
         assert torch.equal(pa.view(torch.int16), pb.view(torch.int16)), key
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), key
+
+
+@pytest.mark.parametrize("impl", ["foreach", "cpp"])
+@pytest.mark.parametrize("mode, key, shape", [("fp32", "exp_avg_sq", (256,)), ("fp32", "master_weight", (1, 256)),
+                                              ("compact", "exp_avg_scale", (4,)), ("compact", "exp_avg_sq", (4, 128))])
+def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, key, shape, impl):
+    """A replaced state tensor of another shape (even one that broadcasts) is a ValueError naming the
+    parameter, the key and both shapes, at the step, before anything changes."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
+    opt = halfadam.AdamW([p], lr=1e-2, state_mode=mode, implementation=impl)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    own, weight = opt.state[p][key], p.detach().clone()
+    opt.state[p][key] = torch.zeros(shape, dtype=own.dtype)
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[0\]: its state\['{key}'\] has shape "
+                                         rf"{re.escape(str(shape))}, where this state mode keeps"):
+        opt.step()
+    assert torch.equal(p.detach(), weight) and int(opt.state[p]["step"]) == 1
+    opt.state[p][key] = own  # a value of the right shape: the step goes on
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2 and not torch.equal(p.detach(), weight)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -524,7 +524,7 @@ class AdamW(_AdamBase):
             changing nothing: every implementation computes the same bits, ``implementation``
             chooses one, and ``"auto"`` runs one kernel per bucket already.
         fused: the same (torchtitan passes ``fused=True, foreach=False``); ``foreach`` and ``fused``
-            both ``True`` is a ValueError, as in torch.
+            both ``True`` is a ValueError (torch refuses it with a RuntimeError).
 
     Whatever is written to a parameter between steps (``load_state_dict``, ``copy_``, ``.data``) is
     the next step's start: see :meth:`sync_master_weights` for the rule; a parameter whose dtype or

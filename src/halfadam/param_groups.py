@@ -58,8 +58,8 @@ def check_torch_flags(flags: Dict[str, Any], where: str) -> None:
             accepted = " or ".join(repr(v) for v in off)
             raise ValueError(f"{name(key)}={flags[key]!r} is not supported by halfadam{hint}; only "
                              f"{accepted} is accepted")
-    if flags.get("foreach") is True and flags.get("fused") is True:  # torch.optim.AdamW's rule
-        raise ValueError(f"{name('fused')} and {name('foreach')} cannot be True together (as in torch.optim.AdamW)")
+    if flags.get("foreach") is True and flags.get("fused") is True:  # torch.optim.AdamW refuses it too
+        raise ValueError(f"{name('fused')} and {name('foreach')} cannot be True together (torch.optim.AdamW refuses it too)")
 
 
 def check_group_keys(group: Dict[str, Any], where: str) -> None:

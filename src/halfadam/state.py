@@ -83,9 +83,23 @@ class ParamStates:
             ValueError: a label this version does not read (named by the parameter's place).
         """
         if state and encodings.is_labelled(state):
-            gi = next((i for i, g in enumerate(self.owner.param_groups) if g is group), "?")
-            k = next((i for i, q in enumerate(group["params"]) if q is param), "?")
-            encodings.unlabel_(state, f"param_groups[{gi}]['params'][{k}]")
+            encodings.unlabel_(state, self.place(param, group))
+
+    def place(self, param: Tensor, group: Dict[str, Any]) -> str:
+        """``param``'s place in the optimizer, for messages: ``param_groups[0]['params'][3]``."""
+        gi = next((i for i, g in enumerate(self.owner.param_groups) if g is group), "?")
+        k = next((i for i, q in enumerate(group["params"]) if q is param), "?")
+        return f"param_groups[{gi}]['params'][{k}]"
+
+    def attach(self, loc: Tuple[Any, int], param: Tensor, state: dict, group: Dict[str, Any]) -> None:
+        """``state`` pointed at its bucket's views (``loc``: the bucket and the index in it), the values it
+        holds copied in (:meth:`halfadam.buckets.Bucket.attach`); a ValueError naming the parameter for
+        a value of another shape."""
+        try:
+            loc[0].attach(state, loc[1])
+        except ValueError as exc:
+            raise ValueError(f"{self.place(param, group)}: {exc}") from None
+        self.dtypes[id(param)] = param.dtype
 
     def element_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
         """The per-element state keys ``param`` has in this optimizer, and their dtypes."""
@@ -234,8 +248,7 @@ class ParamStates:
                 loc = layout.where.get(id(param))
             if loc is not None:
                 if not state or not loc[0].is_attached(state, loc[1]):
-                    loc[0].attach(state, loc[1])
-                    self.dtypes[id(param)] = param.dtype
+                    self.attach(loc, param, state, group)
                 continue
             if state:
                 continue
@@ -278,8 +291,7 @@ class ParamStates:
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
             loc = layout.where.get(id(p))
             if loc is not None:
-                loc[0].attach(state, loc[1])
-                self.dtypes[id(p)] = p.dtype
+                self.attach(loc, p, state, group)
         return layout
 
     def sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
