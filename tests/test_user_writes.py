@@ -178,6 +178,44 @@ def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, 
     assert int(opt.state[p]["step"]) == 2 and not torch.equal(p.detach(), weight)
 
 
+@pytest.mark.parametrize("impl", ["foreach", "cpp"])
+@pytest.mark.parametrize("value, match", [
+    (torch.zeros(4, 256, dtype=torch.int32), r"exp_avg has dtype torch.int32, expected torch.float32"),
+    (torch.zeros(4, 256, dtype=torch.uint8), r"exp_avg has dtype torch.uint8 \(8-bit codes\) but the state holds no "
+                                             r"exp_avg_scale")])
+def test_a_state_tensor_replaced_with_no_encodings_dtype_is_an_error_naming_it(value, match, impl):
+    """A replaced moment of no encoding's form (int32; uint8 codes with no scale, in a mode of float
+    moments) is a ValueError naming the parameter, before anything changes."""
+    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
+    opt = halfadam.AdamW([p], lr=1e-2, state_mode="split", implementation=impl)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    weight = p.detach().clone()
+    opt.state[p]["exp_avg"] = value
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: " + match):
+        opt.step()
+    assert torch.equal(p.detach(), weight) and int(opt.state[p]["step"]) == 1
+
+
+@pytest.mark.parametrize("impl", ["foreach", "cpp"])
+def test_a_float32_moment_put_into_a_compact_state_is_encoded(impl):
+    """``opt.state[p]["exp_avg"] = x`` (float32) in "compact": the step reads x and stores
+    beta1 * x (zero gradient) in the 8-bit codes, within one code step (stochastic rounding): at most
+    1/16 of the block's largest (4 mantissa bits in its top binade, finer steps below)."""
+    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
+    opt = halfadam.AdamW([p], lr=1e-3, betas=(0.9, 0.999), state_mode="compact", implementation=impl)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)) * 1e-3
+    opt.state[p]["exp_avg"] = x.clone()
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.uint8
+    m = opt.to_torch_state_dict()["state"][0]["exp_avg"]
+    blocks = (0.9 * x).view(4, 2, 128).abs().amax(-1, keepdim=True)
+    assert ((m - 0.9 * x).view(4, 2, 128).abs() / blocks).max() <= 1 / 16
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", HALF)
 def test_model_half_after_steps_gets_a_master(dtype, impl):

@@ -937,7 +937,8 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
 
 def format_of(state: Dict[str, Tensor]) -> StateFormat:
     """The format a parameter's state was stored in, read off its keys and dtypes (checkpoints carry no
-    other record). Raises ValueError for a moment dtype that is not an encoding."""
+    other record). Raises ValueError for a moment dtype that is not an encoding, and for uint8 codes
+    without their per-block key (a uint8 tensor put in place of a float moment)."""
     dtypes = []
     for name in ("exp_avg", "exp_avg_sq"):
         dtype = state[name].dtype
@@ -947,7 +948,13 @@ def format_of(state: Dict[str, Tensor]) -> StateFormat:
             raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
                              f"torch.bfloat16, torch.uint8)")
         dtypes.append(dtype)
-    return StateFormat(master_of(state), *dtypes, codes=codes_of(state))
+    fmt = StateFormat(master_of(state), *dtypes, codes=codes_of(state))
+    for name, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes):
+        if dtype == torch.uint8 and scale_key(name, fmt.codes) not in state:
+            raise ValueError(f"{name} has dtype torch.uint8 (8-bit codes) but the state holds no "
+                             f"{scale_key(name, fmt.codes)}, their per-block scale: give {name} in "
+                             f"torch.float32 or torch.bfloat16, or the codes with their scale")
+    return fmt
 
 
 def codes_of(keys) -> str:

@@ -132,9 +132,17 @@ class ParamStates:
         This runs at the optimizer's next use of the parameter (a step, ``master_weight``,
         ``sync_master_weights``, ``state_dict``): ``model.float()`` alone does not write the masters
         into the parameters before that.
+
+        Raises:
+            ValueError: a moment of no encoding's form (a dtype of none, uint8 codes without their
+                scale: put there by hand), named by the parameter's place; nothing changed.
         """
+        try:
+            old_format = encodings.format_of(state)
+        except ValueError as exc:  # a moment of no encoding's form (one put there by hand): name the parameter
+            raise ValueError(f"{self.place(param, group)}: {exc}") from None
         old_dtype = self.dtypes.get(id(param), param.dtype)
-        if not (self.state_format.is_fp32 and encodings.format_of(state).is_fp32):
+        if not (self.state_format.is_fp32 and old_format.is_fp32):
             # on a DTensor's (FSDP2's) local shards, whose elements keep their positions in the whole
             master = None
             p = local(param).detach()
