@@ -156,7 +156,7 @@ def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, imp
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), key
 
 
-@pytest.mark.parametrize("impl", ["foreach", "cpp"])
+@pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
 @pytest.mark.parametrize("mode, key, shape", [("fp32", "exp_avg_sq", (256,)), ("fp32", "master_weight", (1, 256)),
                                               ("compact", "exp_avg_scale", (4,)), ("compact", "exp_avg_sq", (4, 128))])
 def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, key, shape, impl):

@@ -199,6 +199,13 @@ class ParamStates:
         not fit the parameter, and no rule makes it fit."""
         made = self.stale_shape(param)
         if made is None:
+            state = self.state.get(param) or {}
+            blocks = encodings.block_shape(param.shape) if encodings.has_rows(param.shape) else None
+            for key in encodings.ELEMENT_KEYS + encodings.BLOCK_KEYS:  # replaced by hand (buckets check theirs)
+                shape = param.shape if key in encodings.ELEMENT_KEYS else blocks
+                if shape is not None and isinstance(state.get(key), Tensor) and state[key].shape != shape:
+                    raise ValueError(f"{self.place(param, group)}: its state[{key!r}] has shape "
+                                     f"{tuple(state[key].shape)}, where this state mode keeps {tuple(shape)}")
             return
         if where is None:
             where = f"param_groups[{next(i for i, g in enumerate(self.owner.param_groups) if g is group)}]"
