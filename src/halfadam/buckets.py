@@ -185,24 +185,17 @@ class Bucket:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
 
         Values already present in ``state`` (for example loaded by ``load_state_dict``, or put there by
-        the user) are copied into the buffers first; missing ones are initialised (master from the
-        parameter, zero moments, remainders and step).
-
-        Raises:
-            ValueError: a value present of another shape than its view's (nothing copied).
+        the user; of the views' shapes: :meth:`halfadam.state.ParamStates.check_shape`) are copied into
+        the buffers first; missing ones are initialised (master from the parameter, zero moments,
+        remainders and step).
         """
         param = self.params[i]
-        views = self.state_views(i)
-        for key, v in views.items():
-            if isinstance(state.get(key), Tensor) and state[key].shape != v.shape:
-                raise ValueError(f"its state[{key!r}] has shape {tuple(state[key].shape)}, where this state mode "
-                                 f"keeps {tuple(v.shape)} ({v.dtype}; optimizer.state_dict() shows every key)")
         if "step" in state:
             self.steps[i].copy_(state["step"].reshape(()) if isinstance(state["step"], Tensor) else state["step"])
         else:
             self.steps[i].zero_()
         state["step"] = self.steps[i]
-        for key, v in views.items():
+        for key, v in self.state_views(i).items():
             if key in state:
                 v.copy_(state[key])
             elif key == "master_weight":

@@ -93,12 +93,10 @@ class ParamStates:
 
     def attach(self, loc: Tuple[Any, int], param: Tensor, state: dict, group: Dict[str, Any]) -> None:
         """``state`` pointed at its bucket's views (``loc``: the bucket and the index in it), the values it
-        holds copied in (:meth:`halfadam.buckets.Bucket.attach`); a ValueError naming the parameter for
-        a value of another shape."""
-        try:
-            loc[0].attach(state, loc[1])
-        except ValueError as exc:
-            raise ValueError(f"{self.place(param, group)}: {exc}") from None
+        holds copied in (:meth:`halfadam.buckets.Bucket.attach`) once :meth:`check_shape` has found them
+        of their views' shapes."""
+        self.check_shape(param, group)
+        loc[0].attach(state, loc[1])
         self.dtypes[id(param)] = param.dtype
 
     def element_dtypes(self, param: Tensor, group: Dict[str, Any]) -> Dict[str, torch.dtype]:
@@ -196,7 +194,8 @@ class ParamStates:
 
     def check_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
         """ValueError when ``param``'s state was made for another shape (:meth:`stale_shape`): it does
-        not fit the parameter, and no rule makes it fit."""
+        not fit the parameter, and no rule makes it fit; or when one of its tensors, replaced by hand,
+        has another shape than the state mode keeps (the parameter's, or its block shape)."""
         made = self.stale_shape(param)
         if made is None:
             state = self.state.get(param) or {}
