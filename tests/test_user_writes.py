@@ -158,6 +158,7 @@ def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, imp
 
 @pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
 @pytest.mark.parametrize("mode, key, shape", [("fp32", "exp_avg_sq", (256,)), ("fp32", "master_weight", (1, 256)),
+                                              ("split", "exp_avg", (2, 256)),
                                               ("compact", "exp_avg_scale", (4,)), ("compact", "exp_avg_sq", (4, 128))])
 def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, key, shape, impl):
     """A replaced state tensor of another shape (even one that broadcasts) is a ValueError naming the

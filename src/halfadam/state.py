@@ -197,10 +197,11 @@ class ParamStates:
         not fit the parameter, and no rule makes it fit; or when one of its tensors, replaced by hand,
         has another shape than the state mode keeps (the parameter's, or its block shape)."""
         made = self.stale_shape(param)
-        if made is None:
-            state = self.state.get(param) or {}
+        state = self.state.get(param) or {}
+        v = state.get("exp_avg_sq")
+        if made is None or (isinstance(v, Tensor) and v.shape == param.shape):  # not resized: a key replaced?
             blocks = encodings.block_shape(param.shape) if encodings.has_rows(param.shape) else None
-            for key in encodings.ELEMENT_KEYS + encodings.BLOCK_KEYS:  # replaced by hand (buckets check theirs)
+            for key in encodings.ELEMENT_KEYS + encodings.BLOCK_KEYS:
                 shape = param.shape if key in encodings.ELEMENT_KEYS else blocks
                 if shape is not None and isinstance(state.get(key), Tensor) and state[key].shape != shape:
                     raise ValueError(f"{self.place(param, group)}: its state[{key!r}] has shape "
