@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +42,9 @@ KERNEL = ROOT / "src" / "halfadam" / "kernels" / "triton.py"
 UNIFORM_DECODE = '''
     @triton.jit
     def _decode_uint8(code_ptr, scale_ptr, mask, bmask, IS_EXP_AVG: tl.constexpr):
+        TOP: tl.constexpr = 126 if IS_EXP_AVG else 254  # today's reserved codes
+        INF: tl.constexpr = 127 if IS_EXP_AVG else 254
+        NAN: tl.constexpr = 126 if IS_EXP_AVG else 255
         base = tl.load(scale_ptr, mask=bmask, other=0).to(tl.int32)[:, None]
         if IS_EXP_AVG:
             code = tl.load(code_ptr.to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.int32)
@@ -59,6 +61,9 @@ UNIFORM_DECODE = '''
 UNIFORM_ENCODE = '''
     @triton.jit
     def _encode_uint8(x, r16, IS_EXP_AVG: tl.constexpr):
+        TOP: tl.constexpr = 126 if IS_EXP_AVG else 254  # today's reserved codes
+        INF: tl.constexpr = 127 if IS_EXP_AVG else 254
+        NAN: tl.constexpr = 126 if IS_EXP_AVG else 255
         bits = x.to(tl.int32, bitcast=True)
         a = bits & 0x7FFFFFFF
         if IS_EXP_AVG:
@@ -109,17 +114,13 @@ def _function(src: str, name: str) -> Tuple[int, int]:
 
 
 def uniform_source(src: str, nonfinite: bool, stochastic: bool, block_max: bool) -> str:
-    """kernels/triton.py's source with the uniform codes for the uint8 decoder and encoder."""
-    for name, body in (("_decode_uint8", UNIFORM_DECODE), ("_encode_uint8", UNIFORM_ENCODE)):
+    """kernels/triton.py's source with the uniform codes for the uint8 decoder and encoder (their switches
+    as constexpr globals before the first)."""
+    flags = (f"    NONFINITE = tl.constexpr({nonfinite})\n    STOCHASTIC = tl.constexpr({stochastic})\n"
+             f"    BLOCK_MAX = tl.constexpr({block_max})\n")
+    for name, body in (("_decode_uint8", flags + UNIFORM_DECODE), ("_encode_uint8", UNIFORM_ENCODE)):
         a, b = _function(src, name)
-        flags = (f"NONFINITE = tl.constexpr({nonfinite})\nSTOCHASTIC = tl.constexpr({stochastic})\n"
-                 f"BLOCK_MAX = tl.constexpr({block_max})\n")
-        consts = ("        TOP: tl.constexpr = 126 if IS_EXP_AVG else 254\n"  # today's reserved codes
-                  "        INF: tl.constexpr = 127 if IS_EXP_AVG else 254\n"
-                  "        NAN: tl.constexpr = 126 if IS_EXP_AVG else 255\n")
-        body = body.replace(": tl.constexpr):\n", ": tl.constexpr):\n" + consts, 1)
-        src = src[:a] + "\n".join("    " + line if line else line for line in flags.splitlines()) + "\n" + \
-            body.lstrip("\n") + "\n" + src[b:]
+        src = src[:a] + body.lstrip("\n") + "\n" + src[b:]
     return src
 
 
@@ -169,25 +170,15 @@ def _kernel_module(src: Optional[str], n: int):
 
 def instructions(kernel, kinds: Tuple[int, int, int]) -> float:
     """SASS per element of the aligned bf16 launch of ``kinds`` (triton_compile_check's count)."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import triton_compile_check as tcc
 
     master, mk, vk = kinds
     const = dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.float32, MASTER=master, M_KIND=mk, V_KIND=vk, L2=False,
                  OPTIMIZED=False, HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0, STATE_IN_TABLE=False,
-                 ALIGNED=True, ROWS=False, CVT=True, NB=kernel.BLOCKS_PER_TILE, BLOCK_=kernel.BLOCK,
-                 CHUNK_=kernel.CHUNK)
-    sig = tcc.signature(mk, vk)
-    src = ASTSource(fn=kernel._adam_kernel, signature=sig, constexprs=const, attrs=tcc.attributes(sig))
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"enable_fp_fusion": False, "num_warps": kernel.NUM_WARPS})
-    total, loop = tcc.sass_instructions(out.asm["cubin"])
-    tiles = kernel.CHUNK // kernel.TILE
-    return (total - loop + tiles * loop) / (kernel.CHUNK / (kernel.NUM_WARPS * 32))
+                 ALIGNED=True, ROWS=False)
+    return tcc.per_element(tcc.compile_variant(const, module=kernel).asm["cubin"])
 
 
 def main() -> int:

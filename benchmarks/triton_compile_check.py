@@ -123,14 +123,22 @@ def attributes(sig: dict) -> dict:
     return {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
 
 
-def compile_variant(const: dict, arch: int = 90):
+def compile_variant(const: dict, arch: int = 90, module=kernel):
     """The compiled kernel of one variant (``const``: its constexprs but the launch shape's and CVT), for
-    ``sm_{arch}``."""
-    const = dict(const, CVT=True, NB=kernel.BLOCKS_PER_TILE, BLOCK_=kernel.BLOCK, CHUNK_=kernel.CHUNK)
+    ``sm_{arch}``; ``module``: kernels/triton.py, or a changed copy of it (``codes_floor.py``)."""
+    const = dict(const, CVT=True, NB=module.BLOCKS_PER_TILE, BLOCK_=module.BLOCK, CHUNK_=module.CHUNK)
     sig = signature(const["M_KIND"], const["V_KIND"])
-    src = ASTSource(fn=kernel._adam_kernel, signature=sig, constexprs=const, attrs=attributes(sig))
+    src = ASTSource(fn=module._adam_kernel, signature=sig, constexprs=const, attrs=attributes(sig))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"enable_fp_fusion": False, "num_warps": kernel.NUM_WARPS})
+                          options={"enable_fp_fusion": False, "num_warps": module.NUM_WARPS})
+
+
+def per_element(cubin: bytes) -> float:
+    """The SASS instructions a program executes per element (see the module docstring): its loop once per
+    tile of a whole program, the rest once, over each thread's elements."""
+    total, loop = sass_instructions(cubin)
+    tiles = kernel.CHUNK // kernel.TILE
+    return (total - loop + tiles * loop) / (kernel.CHUNK / (kernel.NUM_WARPS * 32))
 
 
 def variants():
@@ -189,25 +197,23 @@ def check(arch: int) -> int:
         failures += bool(bad)
         speed = ""
         if out.asm.get("cubin"):
-            total, loop = sass_instructions(out.asm["cubin"])
-            tiles = kernel.CHUNK // kernel.TILE  # a whole program's: its loop runs once per tile
-            per_element = (total - loop + tiles * loop) / (kernel.CHUNK / (kernel.NUM_WARPS * 32))
+            count = per_element(out.asm["cubin"])
             moved = bytes_per_element(const)
-            mem_ns, issue_ns = moved / HBM_BYTES_PER_S * 1e9, per_element / LANE_INSTRUCTIONS_PER_S * 1e9
-            speed = (f"; SASS {per_element:.0f} instr/element, {moved:.2f} B/element; H200 per 1M elements: "
+            mem_ns, issue_ns = moved / HBM_BYTES_PER_S * 1e9, count / LANE_INSTRUCTIONS_PER_S * 1e9
+            speed = (f"; SASS {count:.0f} instr/element, {moved:.2f} B/element; H200 per 1M elements: "
                      f"memory {mem_ns * 1e3:.2f} us, issue {issue_ns * 1e3:.2f} us (issue/mem {issue_ns / mem_ns:.2f})")
             plain = const["ALIGNED"] and not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"]
                                               or const["ROWS"])
             for mode, (kinds, budget) in MODES.items():
                 if plain and const["P_DTYPE"] == tl.bfloat16 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
-                    per_mode[mode] = (per_element, budget, issue_ns / mem_ns)
+                    per_mode[mode] = (count, budget, issue_ns / mem_ns)
         print(f"{'FAIL' if bad else 'ok  '} {name}: div.rn {ptx.count('div.rn.f32')}, sqrt.rn {ptx.count('sqrt.rn.f32')}, "
               f"approximate {approx}, fma {fma} (expected {fma_expected}), cubin {len(out.asm.get('cubin', b''))} B"
               f"{speed}")
     print(f"state modes, bf16 parameters, fp32 gradients, sm_{arch}: SASS instructions per element (target), "
           f"issue/memory time on an H200:")
-    for mode, (per_element, budget, ratio) in per_mode.items():
-        print(f"  {mode:8s} {per_element:4.0f} (target {budget}{', over' if per_element > budget else ''}), {ratio:.2f}"
+    for mode, (count, budget, ratio) in per_mode.items():
+        print(f"  {mode:8s} {count:4.0f} (target {budget}{', over' if count > budget else ''}), {ratio:.2f}"
               f"{' compute-bound' if ratio > 1 else ''}")
     return failures
 

@@ -114,6 +114,16 @@ def test_state_dict_and_master_state_dict_see_the_written_values(impl):
     assert torch.equal(opt.master_state_dict(half)["weight"], torch.full((3, 4), 0.75))
 
 
+def _stepped(mode, impl, **kw):
+    """A (4, 256) bf16 parameter and its optimizer in state mode ``mode``, after one step."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
+    opt = halfadam.AdamW([p], state_mode=mode, implementation=impl, **kw)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    return p, opt
+
+
 @pytest.mark.parametrize("impl", ["reference", "foreach", "cpp"])
 @pytest.mark.parametrize("mode", ["fp32", "split", "bf16", "compact", "tiny"])
 def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, impl):
@@ -144,10 +154,7 @@ def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, imp
                     opt.state[p][key].copy_(new)
         return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
 
-    probe = torch.nn.Parameter(w.clone())
-    opt = halfadam.AdamW([probe], state_mode=mode, implementation=impl)
-    probe.grad = torch.ones_like(probe)
-    opt.step()
+    probe, opt = _stepped(mode, impl)
     keys = [k for k in opt.state[probe] if k != "step"]
     assert "exp_avg_sq" in keys and len(keys) >= 3
     for key in keys:
@@ -163,11 +170,7 @@ def test_a_state_tensor_replaced_between_steps_is_the_next_steps_start(mode, imp
 def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, key, shape, impl):
     """A replaced state tensor of another shape (even one that broadcasts) is a ValueError naming the
     parameter, the key and both shapes, at the step, before anything changes."""
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
-    opt = halfadam.AdamW([p], lr=1e-2, state_mode=mode, implementation=impl)
-    p.grad = torch.randn_like(p)
-    opt.step()
+    p, opt = _stepped(mode, impl, lr=1e-2)
     own, weight = opt.state[p][key], p.detach().clone()
     opt.state[p][key] = torch.zeros(shape, dtype=own.dtype)
     with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[0\]: its state\['{key}'\] has shape "
@@ -187,10 +190,7 @@ def test_a_state_tensor_replaced_with_another_shape_is_an_error_naming_it(mode, 
 def test_a_state_tensor_replaced_with_no_encodings_dtype_is_an_error_naming_it(value, match, impl):
     """A replaced moment of no encoding's form (int32; uint8 codes with no scale, in a mode of float
     moments) is a ValueError naming the parameter, before anything changes."""
-    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
-    opt = halfadam.AdamW([p], lr=1e-2, state_mode="split", implementation=impl)
-    p.grad = torch.randn_like(p)
-    opt.step()
+    p, opt = _stepped("split", impl, lr=1e-2)
     weight = p.detach().clone()
     opt.state[p]["exp_avg"] = value
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: " + match):
@@ -203,10 +203,7 @@ def test_a_float32_moment_put_into_a_compact_state_is_encoded(impl):
     """``opt.state[p]["exp_avg"] = x`` (float32) in "compact": the step reads x and stores
     beta1 * x (zero gradient) in the 8-bit codes, within one code step (stochastic rounding): at most
     1/16 of the block's largest (4 mantissa bits in its top binade, finer steps below)."""
-    p = torch.nn.Parameter(torch.randn(4, 256).bfloat16())
-    opt = halfadam.AdamW([p], lr=1e-3, betas=(0.9, 0.999), state_mode="compact", implementation=impl)
-    p.grad = torch.randn_like(p)
-    opt.step()
+    p, opt = _stepped("compact", impl, lr=1e-3, betas=(0.9, 0.999))
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)) * 1e-3
     opt.state[p]["exp_avg"] = x.clone()
     p.grad = torch.zeros_like(p)

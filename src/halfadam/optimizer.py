@@ -348,7 +348,7 @@ class _AdamBase(torch.optim.Optimizer):
                 matched += len(pairs)
             pairs = [pg for pg in pairs if pg[1] is not None]
             check_pairs(pairs, group["params"], where)
-            self._states.check_shapes(group, pairs, where)
+            self._states.check_shapes(group, pairs)
             if self.capturable:
                 check_capturable(pairs, group["params"], where, lambda p: self._states.use_master(p, group))
             beta1, beta2 = group["betas"]

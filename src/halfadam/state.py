@@ -192,7 +192,7 @@ class ParamStates:
         exp_avg = state.get("exp_avg") if state else None
         return None if exp_avg is None or exp_avg.shape == param.shape else tuple(exp_avg.shape)
 
-    def check_shape(self, param: Tensor, group: Dict[str, Any], where: Optional[str] = None) -> None:
+    def check_shape(self, param: Tensor, group: Dict[str, Any]) -> None:
         """ValueError when ``param``'s state was made for another shape (:meth:`stale_shape`): it does
         not fit the parameter, and no rule makes it fit; or when one of its tensors, replaced by hand,
         has another shape than the state mode keeps (the parameter's, or its block shape)."""
@@ -207,16 +207,13 @@ class ParamStates:
                     raise ValueError(f"{self.place(param, group)}: its state[{key!r}] has shape "
                                      f"{tuple(state[key].shape)}, where this state mode keeps {tuple(shape)}")
             return
-        if where is None:
-            where = f"param_groups[{next(i for i, g in enumerate(self.owner.param_groups) if g is group)}]"
-        k = next(i for i, q in enumerate(group["params"]) if q is param)
         raise ValueError(
-            f"{where}['params'][{k}] has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, "
+            f"{self.place(param, group)} has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, "
             f"master) was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
             f"fresh state for it (step 0, zero moments, the master from its new value), remove its state first: "
             f"del optimizer.state[p]; or give it back its shape {made}")
 
-    def check_shapes(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], where: str) -> None:
+    def check_shapes(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]]) -> None:
         """:meth:`check_shape` for a step's ``pairs``, cheaply: a bucketed parameter of its
         bucket's shape has state of that shape (the bucket's views). A bucketed parameter whose shape
         changed and passes (its state was deleted) drops the group's layout, to be rebuilt around it."""
@@ -225,7 +222,7 @@ class ParamStates:
         for p, _ in pairs:
             loc = where_.get(id(p))
             if loc is None or loc[0].shapes[loc[1]] != p.shape:
-                self.check_shape(p, group, where)
+                self.check_shape(p, group)
                 if loc is not None:
                     self.layouts.pop(id(group), None)
 
