@@ -307,3 +307,70 @@ def test_mathml_hook_refuses_what_it_cannot_render():
     assert 'display="inline"' in inline and "<mtext>init</mtext>" in inline, inline
     with pytest.raises(ValueError, match=r"\\notacommand"):
         hook.to_mathml(r"x \notacommand y", display=True)
+
+
+# -- issue 46, item 11: what a new user reading the pages found untrue
+
+def _user_pages():
+    """The README and every docs page a user reads (docs/research, the prototypes' logs, aside)."""
+    return [ROOT / "README.md"] + [p for p in sorted((ROOT / "docs").rglob("*.md")) if "research" not in p.parts]
+
+
+def _digits_table(text: str) -> str:
+    return text.split("`halfadam train --task digits`", 1)[1].split("```", 2)[1]
+
+
+def test_cli_page_digits_table_is_the_front_pages():
+    """docs/cli.md says it copies the front page's digits table (which test_cli checks against the command)."""
+    assert _digits_table((ROOT / "docs" / "cli.md").read_text()) == _digits_table((ROOT / "README.md").read_text())
+
+
+def test_state_mode_lists_name_every_mode():
+    """Where a page lists what ``--state-mode`` takes, it names every preset, and the example takes them all."""
+    import halfadam.encodings
+
+    presets = list(halfadam.encodings.PRESETS)
+    assert len(presets) == 5
+    example = (ROOT / "examples" / "distributed_train.py").read_text()
+    assert "choices=tuple(halfadam.encodings.PRESETS)" in example
+    found = 0
+    for page in _user_pages():
+        for after in page.read_text().split("`--state-mode`")[1:]:
+            listing = " ".join(after.split(")", 1)[0].split())
+            if "any of" in listing or "," in listing:  # a list of the modes, not a single example
+                found += 1
+                assert all(re.search(rf"\b{m}\b", listing) for m in presets), (page.name, listing)
+    assert found, "no page lists the --state-mode values"
+
+
+def test_checkpoint_samples_save_the_scaler():
+    """A code sample that trains with a GradScaler and saves a checkpoint saves the scaler's state too (a
+    resumed float16 run would otherwise restart its loss scale at 65536 and skip steps)."""
+    samples = 0
+    for page in _user_pages():
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+            if "GradScaler(" not in block:
+                continue
+            for call in re.findall(r"save_checkpoint\((.*?)\)\s*(?:#|\n)", block):
+                samples += 1
+                assert "scaler" in call, (page.name, call)
+    assert samples >= 2  # docs/distributed.md's and docs/offload.md's
+
+
+def test_front_page_cpu_column_names_its_instruction_sets():
+    """The README's CPU-step figures depend on the instruction set: the column gives AVX-512's and AVX2's."""
+    front = (ROOT / "README.md").read_text()
+    section = front.split("## Which state mode?", 1)[1].split("\n## ", 1)[0]
+    header, _, *rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert len(rows) == 5, rows
+    column = header.split("|").index(next(c for c in header.split("|") if "CPU step" in c))
+    assert "AVX-512" in header and "AVX2" in header, header
+    for row in rows:
+        assert re.fullmatch(r" \d+\.\dx / \d+\.\dx ", row.split("|")[column]), row
+
+
+def test_front_page_timings_say_their_conditions():
+    """The set-up commands' timings hold on two idle cores: each says so (CI's and users' machines are shared)."""
+    setup = (ROOT / "README.md").read_text().split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    timings = re.findall(r"\d+(?:-\d+)? min(?:utes)? on 2 [^,;)]*", setup)
+    assert len(timings) == 2 and all("idle" in t for t in timings), timings
