@@ -21,12 +21,23 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 COMPILING = "compiling the C++ CPU kernel"
 
-# argv: the checkout halfadam must come from, then "step" (a cpp step, checked against the reference)
-# or "load" (print what load() gives).
+# argv: the checkout halfadam must come from, then "step" (a cpp step, checked against the reference),
+# "cut-then-step" (the same, with the library cut to 4 KiB as soon as it has been read) or "load" (print
+# what load() gives).
 SCRIPT = r"""
-import sys, torch, halfadam
+import os, sys, torch, halfadam
 from halfadam.kernels import cpp as cpu_kernel
 assert halfadam.__file__.startswith(sys.argv[1]), halfadam.__file__
+if sys.argv[2] == "cut-then-step":
+    from pathlib import Path
+    read = Path.read_bytes
+
+    def read_then_cut(path):  # the library cut as soon as it has been read (to be checked)
+        data = read(path)
+        if path.suffix == ".so":
+            os.truncate(path, 4096)
+        return data
+    Path.read_bytes = read_then_cut
 if sys.argv[2] == "load":
     print("loaded" if cpu_kernel.load() is not None else f"unavailable: {cpu_kernel.unavailable_reason()}")
     sys.exit(0)
@@ -107,6 +118,14 @@ def _copy(cache: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(cache, tmp_path / "cache"))
 
 
+def _no_ninja(tmp_path: Path) -> str:
+    """A PATH with the same compiler (the same build directory) and no ninja: a rebuild fails at once."""
+    directory = tmp_path / "bin"
+    directory.mkdir()
+    (directory / "c++").symlink_to(shutil.which("c++"))
+    return str(directory)
+
+
 def test_two_checkouts_share_one_build(built, tmp_path):
     """Another checkout of the same version, then the first again: both load the cached kernel and step,
     without compiling or writing anything in the cache (the build's command does not name a checkout)."""
@@ -142,10 +161,7 @@ def test_deleting_the_failure_marker_retries(built, tmp_path):
     cache = _copy(cache, tmp_path)
     library = _library(cache)
     os.truncate(library, 4096)
-    no_ninja = tmp_path / "bin"  # the same compiler (the same build directory), no ninja
-    no_ninja.mkdir()
-    (no_ninja / "c++").symlink_to(shutil.which("c++"))
-    no_ninja = str(no_ninja)
+    no_ninja = _no_ninja(tmp_path)
     first = _run(a, cache, "load", path=no_ninja)
     assert first.returncode == 0 and "unavailable" in first.stdout and "Ninja is required" in first.stdout, first
     assert "is unusable" in first.stderr and COMPILING in first.stderr, first.stderr
@@ -158,3 +174,34 @@ def test_deleting_the_failure_marker_retries(built, tmp_path):
     third = _run(a, cache, "load", path=no_ninja)
     assert third.returncode == 0 and "Ninja is required" in third.stdout and "an earlier build" not in third.stdout
     assert COMPILING in third.stderr, third.stderr
+
+
+@pytest.mark.parametrize("cut", ["segments", "section headers"])
+def test_a_cut_library_that_matches_its_checksum_is_never_loaded(built, tmp_path, cut):
+    """The cached library cut short with its checksum rewritten to match (a copy cut on a network file
+    system, say): loading it would map segments past the file's end and kill the process with SIGBUS
+    (65,536 bytes left), or load a library without its last bytes (64 of them gone: the section header
+    table). A new process finds the cut, says so and rebuilds it (here without ninja: the kernel is
+    unavailable, with the reason), and lives."""
+    a, _, cache = built
+    cache = _copy(cache, tmp_path)
+    library = _library(cache)
+    size = 65536 if cut == "segments" else library.stat().st_size - 64
+    os.truncate(library, size)
+    library.with_name(library.name + ".sha256").write_text(hashlib.sha256(library.read_bytes()).hexdigest() + "\n")
+    result = _run(a, cache, "load", path=_no_ninja(tmp_path))
+    assert result.returncode == 0, (result.returncode, result.stderr)  # -7: SIGBUS
+    assert "unavailable" in result.stdout and "Ninja is required" in result.stdout, result.stdout
+    assert "is unusable (it is cut short: " in result.stderr and f"past its {size:,} bytes" in result.stderr
+    assert ("segment" if cut == "segments" else "its section header table") in result.stderr, result.stderr
+    assert result.stderr.count(COMPILING) == 1, result.stderr
+
+
+def test_the_library_is_loaded_from_the_bytes_checked(built, tmp_path):
+    """The library cut to 4 KiB as soon as it has been read to be checked (by another process, or on a
+    network file system): the process loads the bytes it checked, not the file, and steps (no SIGBUS)."""
+    a, _, cache = built
+    cache = _copy(cache, tmp_path)
+    result = _run(a, cache, "cut-then-step")
+    assert result.returncode == 0 and "step ok" in result.stdout, (result.returncode, result.stderr)
+    assert _library(cache).stat().st_size == 4096 and COMPILING not in result.stderr

@@ -7,6 +7,7 @@ continues bit for bit as ``implementation="foreach"`` does.
 
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -151,6 +152,109 @@ def test_shards_are_checked_and_fall_back_to_the_reference_path(broken, monkeypa
     assert left == ([0, 1] if broken else [])
     assert [v.config.layout for v in selfcheck.results().values()] == ["shard"]
     assert sum("self-check failed" in str(w.message) for w in caught) == (1 if broken else 0)
+
+
+def _in_threads(*targets):
+    """Runs each target in its own thread (named as the function) and joins them; the first exception a
+    target raised, raised here."""
+    errors = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as exc:  # noqa: B902 (re-raised in the calling thread)
+            errors.append(exc)
+    threads = [threading.Thread(target=guarded, args=(t,), name=t.__name__) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish in 120 s"
+    if errors:
+        raise errors[0]
+
+
+@needs_cpp
+@pytest.mark.usefixtures("one_thread")
+def test_two_threads_first_steps_are_each_checked_before_their_kernel_runs(monkeypatch):
+    """Two threads, each training its own model in its own configuration (bfloat16 and float16 matrices),
+    on a kernel wrong in one bit: the second thread's first step starts while the first thread's check
+    runs (the check is held until the second thread has either come back from kernel_agrees, as it did
+    unchecked when one process-wide flag said "a check is running", or is about to wait for the check's
+    lock). Both configurations are checked before their kernel's result is kept: each model ends bit for
+    bit as the reference leaves it, and each failure is warned about once."""
+    dtypes = (torch.bfloat16, torch.float16)
+    references = []
+    for dtype in dtypes:
+        params = _model(dtype)[:2]
+        opt = halfadam.AdamW(params, lr=1e-3, weight_decay=0.1, state_mode="compact", implementation="foreach")
+        _train(params, opt, 2)
+        references.append((params, opt))
+    _flip_after(monkeypatch, "cpp", "exp_avg_sq")
+    models = [_model(dtype)[:2] for dtype in dtypes]
+    opts = [halfadam.AdamW(m, lr=1e-3, weight_decay=0.1, state_mode="compact", implementation="cpp") for m in models]
+    started, passed, held = threading.Barrier(2, timeout=60), threading.Event(), []
+
+    def first():
+        _train(models[0], opts[0], 2)
+
+    def second():
+        started.wait()  # the first thread's check is running
+        _train(models[1], opts[1], 2)
+
+    check, agrees, lock = selfcheck._check, selfcheck.kernel_agrees, getattr(selfcheck, "_lock", None)
+
+    def held_check(config, run):
+        if threading.current_thread().name == "first" and not held:
+            held.append(config)
+            started.wait()
+            assert passed.wait(60), "the second thread neither came back nor waited"
+        return check(config, run)
+
+    def watched_agrees(config, run):
+        try:
+            return agrees(config, run)
+        finally:
+            if threading.current_thread().name == "second":
+                passed.set()  # it came back from kernel_agrees (having run its check, or none)
+
+    class AnnouncedLock:  # the check's lock, saying when the second thread is about to wait for it
+        def __enter__(self):
+            if threading.current_thread().name == "second":
+                passed.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+    monkeypatch.setattr(selfcheck, "_check", held_check)
+    monkeypatch.setattr(selfcheck, "kernel_agrees", watched_agrees)
+    monkeypatch.setattr(selfcheck, "_lock", AnnouncedLock(), raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _in_threads(first, second)
+    assert [c.param_dtype for c in held] == [torch.bfloat16]
+    verdicts = selfcheck.results()
+    assert sorted(str(c.param_dtype) for c in verdicts) == ["torch.bfloat16", "torch.float16"]
+    assert not any(v.agrees for v in verdicts.values())
+    assert sum("self-check failed" in str(w.message) for w in caught) == 2
+    for params, opt, (ref_params, ref_opt) in zip(models, opts, references):
+        assert _same(dict(enumerate(params)), dict(enumerate(ref_params)))
+        assert _same(_state(opt), _state(ref_opt))
+
+
+@needs_cpp
+def test_a_recheck_in_one_thread_leaves_the_other_threads_as_they_were(monkeypatch):
+    """recheck() (the doctor's) checks the calling thread's configurations again: a thread training beside
+    it with HALFADAM_SELFCHECK=0 still runs unchecked, and no check of its configuration is recorded."""
+    monkeypatch.setenv(selfcheck.ENV, "0")
+    params = _model(torch.bfloat16)[:2]
+    opt = halfadam.AdamW(params, lr=1e-3, state_mode="compact", implementation="cpp")
+    with selfcheck.recheck():
+        assert selfcheck.enabled()
+        _in_threads(lambda: _train(params, opt, 1))
+        assert selfcheck.results() == {}
+    assert selfcheck.results() == {} and not selfcheck.enabled()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the triton package is not installed")

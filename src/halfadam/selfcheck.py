@@ -27,6 +27,11 @@ slower. A capturable step has no such path and raises :class:`RuntimeError` inst
 A model's 1-D parameters (biases, norms) keep fp32 fields in every mode, so they form a configuration of
 their own beside the matrices'.
 
+Threads: one check runs at a time in a process. A thread that meets a configuration not yet checked
+while another thread checks (any configuration) waits for that check to end, then runs its own, so no
+thread keeps a kernel's result before its configuration's verdict; a check's own kernel calls go
+unchecked in the checking thread only.
+
 Cost: one check per configuration and process: 10-130 ms each on the C++ kernel (a 2-core AMD EPYC,
 loaded; the 8-bit modes cost most, nearly all of it the eager reference), so a model's first step takes
 about 30-150 ms longer; ``halfadam doctor`` prints the figure here, and :func:`results` holds each
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -97,35 +103,46 @@ class Verdict:
         return self.difference is None
 
 
+class _Thread(threading.local):
+    checking = False  # this thread runs a check: its own kernel calls are not checked
+    rechecked: Optional[Dict[Config, Verdict]] = None  # inside recheck() in this thread: its verdicts so far
+
+
 _verdicts: Dict[Config, Verdict] = {}
-_checking = False  # a check is running: its own kernel calls are not checked
-_rechecking = False  # inside recheck(): checks run whatever the environment says
+_thread = _Thread()
+_lock = threading.Lock()  # held by the thread that checks: one check at a time, the others wait for it
 
 
 def enabled() -> bool:
     """Whether checks run (``HALFADAM_SELFCHECK`` is not 0/false/off/no, or inside :func:`recheck`)."""
-    return _rechecking or os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    rechecking = _thread.rechecked is not None
+    return rechecking or os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @contextlib.contextmanager
 def recheck() -> Iterator[None]:
-    """Within it, every configuration is checked again, ``HALFADAM_SELFCHECK=0`` or not (``halfadam
-    doctor``); afterwards the earlier verdicts stand where they exist (a configuration that failed keeps
-    failing)."""
-    global _rechecking
-    earlier = dict(_verdicts)
-    _verdicts.clear()
-    _rechecking = True
+    """Within it, every configuration the calling thread steps is checked again, ``HALFADAM_SELFCHECK=0``
+    or not (``halfadam doctor``), and :func:`results` in that thread holds those checks only; other
+    threads keep the earlier verdicts. Afterwards the earlier verdicts stand where they exist (a
+    configuration that failed keeps failing) and the new ones are added."""
+    outer, _thread.rechecked = _thread.rechecked, {}
     try:
         yield
     finally:
-        _rechecking = False
-        _verdicts.update(earlier)
+        rechecked, _thread.rechecked = _thread.rechecked, outer
+        with _lock:
+            for config, verdict in rechecked.items():
+                _table().setdefault(config, verdict)
 
 
 def results() -> Dict[Config, Verdict]:
-    """Every check run in this process so far, by configuration."""
-    return dict(_verdicts)
+    """Every check run in this process so far, by configuration (inside :func:`recheck`: those it ran)."""
+    return dict(_table())
+
+
+def _table() -> Dict[Config, Verdict]:
+    """The verdicts this thread reads and records: :func:`recheck`'s own inside one, else the process's."""
+    return _verdicts if _thread.rechecked is None else _thread.rechecked
 
 
 def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
@@ -135,30 +152,42 @@ def kernel_agrees(config: Config, run: Callable[[str, dict], None]) -> bool:
     (``config.kernel`` or the reference) through the layout's own execution. On the first difference
     a RuntimeWarning says what differed, and ``False`` is returned from then on. An exception from the
     kernel itself (it does not compile here, say) propagates and records nothing.
+
+    One check runs at a time: a thread that meets a configuration not yet checked while another thread
+    checks (this configuration or another) waits for that check to end, then uses or runs its own, so
+    no thread steps a kernel before its verdict.
     """
-    global _checking
-    if _checking:
+    if _thread.checking:
         return True
-    verdict = _verdicts.get(config)  # every step after the first: one lookup
+    verdict = _table().get(config)  # every step after the first: one lookup
     if verdict is None:
         if not enabled() or _capturing(config):
             return True
-        _checking = True
-        try:
-            start = time.perf_counter()
-            difference = _check(config, run)
-            verdict = _verdicts[config] = Verdict(config, difference, time.perf_counter() - start)
-        finally:
-            _checking = False
-        if difference is not None:
+        with _lock:
+            verdict = _table().get(config)  # checked by another thread while this one waited
+            fresh = verdict is None
+            if fresh:
+                verdict = _table()[config] = _timed_check(config, run)
+        if fresh and not verdict.agrees:
             warnings.warn(
-                f"halfadam: self-check failed for {config.describe()}: {difference}. This configuration runs "
+                f"halfadam: self-check failed for {config.describe()}: {verdict.difference}. This configuration runs "
                 f"{'nothing' if config.layout == 'capturable' else 'the reference execution'} for the rest of "
                 f"this process (the same results, slower). Please report it to halfadam's issue tracker with the "
                 f"output of `halfadam doctor`. To avoid the kernel from the start: implementation='foreach' (or "
                 f"HALFADAM_CPP=0 for the C++ one); {ENV}=0 skips the check and trains on the kernel as it is.",
                 RuntimeWarning, stacklevel=3)
     return verdict.agrees
+
+
+def _timed_check(config: Config, run: Callable[[str, dict], None]) -> Verdict:
+    """:func:`_check` in this thread (its own kernel calls unchecked), as a :class:`Verdict`."""
+    _thread.checking = True
+    try:
+        start = time.perf_counter()
+        difference = _check(config, run)
+        return Verdict(config, difference, time.perf_counter() - start)
+    finally:
+        _thread.checking = False
 
 
 def _capturing(config: Config) -> bool:

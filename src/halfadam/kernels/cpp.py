@@ -31,8 +31,15 @@ virtual environment with the same key shares one build, and one with another key
 * ``halfadam_cpu_<digest>.so``: the built library, copied there atomically (a temporary file, fsync,
   rename), and ``halfadam_cpu_<digest>.so.sha256``, its checksum, written after it. The process that
   builds imports what it has just built; every other one imports this library, without running ninja,
-  and only once it matches its checksum: a missing or damaged one (a crash or a full disk while it was
-  written) is rebuilt, with one line saying why;
+  and only once its bytes match the checksum and hold a whole ELF library (the program header table,
+  every segment and the section header table within the file: the loader maps segments, and one past
+  a cut file's end kills the process with SIGBUS on its first read). A missing or damaged one (a crash
+  or a full disk while it was written, a copy cut short on a network file system, checksum and all)
+  is rebuilt, with one line saying why. The bytes checked are the bytes loaded: on Linux from a copy
+  in memory (``memfd_create``), so a library cut or replaced after its check cannot take the process
+  down; elsewhere (or where executable memory files are forbidden) from the file. Reading, checksum,
+  ELF check and load take about 4 ms against 3 ms for the file loaded in place (2 MB; 2-core AMD
+  EPYC, loaded, 2026-12-07; the ELF check 5 us), and the copy holds the library's 2 MB per process;
 * ``halfadam_build_failed.txt``: the reason a build failed, so later processes do not retry it
   (delete it to retry);
 * ``halfadam.lock``: held (``flock``) by the process that builds; others wait for it, with one line.
@@ -55,11 +62,13 @@ import logging
 import os
 import platform
 import shutil
+import struct
+import sys
 import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -141,7 +150,7 @@ def load() -> Optional[ModuleType]:
 
 
 def _load_or_build(source: bytes) -> ModuleType:
-    """The kernel built from ``source``: the cached library where it matches its checksum, else built
+    """The kernel built from ``source``: the cached library where it passes :func:`_checked`, else built
     (a missing library) or rebuilt (a damaged one, announced with what is wrong) under the directory's
     lock, which only one process holds (the others wait, then find it built).
 
@@ -155,13 +164,14 @@ def _load_or_build(source: bytes) -> ModuleType:
     directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library, failed = directory / f"{name}.so", directory / _FAILED
     _raise_if_failed(failed)
-    if _problem(library) is None:
-        return _import(name, library)
+    data, problem = _checked(library)
+    if problem is None:
+        return _import(name, library, data)
     with _exclusive(directory / "halfadam.lock"):
         _raise_if_failed(failed)  # another process's build failed while this one waited...
-        problem = _problem(library)
+        data, problem = _checked(library)
         if problem is None:  # ... or succeeded
-            return _import(name, library)
+            return _import(name, library, data)
         if problem != "missing":
             _log.warning("halfadam: the cached C++ CPU kernel %s is unusable (%s); rebuilding it", library, problem)
         try:
@@ -189,21 +199,50 @@ def _raise_if_failed(failed: Path) -> None:
     raise _Unavailable(reason)
 
 
-def _problem(library: Path) -> Optional[str]:
-    """``None`` where ``library`` matches the sha256 in ``library.sha256``, else what is wrong with it:
-    ``"missing"`` where neither file is there (never built). Raises ``OSError`` where one cannot be read."""
+def _checked(library: Path) -> Tuple[bytes, Optional[str]]:
+    """``library``'s bytes and ``None`` where they match the sha256 in ``library.sha256`` and hold a whole
+    shared library (:func:`_cut_short`), else what is wrong with them: ``"missing"`` where neither file
+    is there (never built). Raises ``OSError`` where one cannot be read."""
     checksum = library.with_name(library.name + ".sha256")
     try:
         data = library.read_bytes()
     except FileNotFoundError:
-        return "missing" if not checksum.exists() else "the library is missing"
+        return b"", "missing" if not checksum.exists() else "the library is missing"
     try:
         expected = checksum.read_text().strip()
     except FileNotFoundError:
-        return f"its checksum file {checksum.name} is missing"
+        return data, f"its checksum file {checksum.name} is missing"
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
-        return f"its sha256 {actual[:16]}... ({len(data)} bytes) is not the one it was written with, {expected[:16]}..."
+        return data, (f"its sha256 {actual[:16]}... ({len(data)} bytes) is not the one it was written with, "
+                      f"{expected[:16]}...")
+    return data, _cut_short(data)
+
+
+def _cut_short(data: bytes) -> Optional[str]:
+    """What makes ``data`` no whole ELF shared library: no ELF header, or its program header table, a
+    segment or its section header table (the file's last bytes) past its end, which the loader would map
+    and the process die of (SIGBUS) on the first read; ``None`` for a whole one, and on macOS and
+    Windows (no ELF)."""
+    if sys.platform in ("darwin", "win32"):
+        return None
+    size, wide = len(data), data[4:5] == b"\x02"
+    order = ">" if data[5:6] == b"\x02" else "<"
+    segment = order + ("8xQ16xQ" if wide else "4xI8xI")  # a program header's p_offset and p_filesz
+    if size < (64 if wide else 52) or data[:4] != b"\x7fELF":
+        return f"it is no ELF file ({size:,} bytes)"
+    # e_phoff and e_shoff, then e_phentsize, e_phnum, e_shentsize and e_shnum
+    phoff, shoff = struct.unpack_from(order + ("QQ" if wide else "II"), data, 32 if wide else 28)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "4H", data, 54 if wide else 42)
+    if phentsize < struct.calcsize(segment):
+        return f"its program headers are {phentsize} bytes long, too short for ELF"
+    ends = [("its program header table", phoff + phnum * phentsize)]
+    if ends[0][1] <= size:
+        ends += [(f"segment {k}", sum(struct.unpack_from(segment, data, phoff + k * phentsize))) for k in range(phnum)]
+    ends.append(("its section header table", shoff + shnum * shentsize))
+    for what, end in ends:
+        if end > size:
+            return f"it is cut short: {what} ends at byte {end:,}, past its {size:,} bytes"
     return None
 
 
@@ -248,10 +287,32 @@ def _write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _import(name: str, library: Path) -> ModuleType:
-    """The extension module in ``library``, built as ``name`` (its ``PyInit_<name>``). Raises ``ImportError``."""
-    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
-    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+def _import(name: str, library: Path, data: bytes) -> ModuleType:
+    """The extension module built as ``name`` (its ``PyInit_<name>``) from ``data``, the checked bytes of
+    ``library``: loaded from a copy of them in memory (``memfd_create``: Linux), so that the file cut
+    or replaced since the check cannot take the process down; where there is none (another system, a
+    kernel without it, or one that forbids executable memory files), from ``library`` itself. Its
+    ``__file__`` is ``library``. Raises ``ImportError``."""
+    try:
+        fd = os.memfd_create(library.name)
+    except (AttributeError, OSError):
+        return _exec_extension(name, library)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        module = _exec_extension(name, Path(f"/proc/self/fd/{fd}"))
+    except (ImportError, OSError):  # vm.memfd_noexec, no /proc
+        return _exec_extension(name, library)
+    finally:
+        os.close(fd)  # the loader's mapping keeps the copy
+    module.__file__ = str(library)
+    return module
+
+
+def _exec_extension(name: str, path: Path) -> ModuleType:
+    """The extension module ``name`` in the library at ``path``. Raises ``ImportError``."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
