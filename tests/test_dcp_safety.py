@@ -8,6 +8,10 @@
   checkpoint whole at the path; the next save removes the killed one's leftovers.
 * A full disk (ENOSPC, simulated at the file writes) is reported as such, naming the path; the previous
   checkpoint loads bitwise and no temporary directory stays.
+* Crafted or corrupt checkpoints (issue 46, items 2 to 6): a load opens no file outside the directory
+  (``..``, absolute names, links) and no FIFO; unpickling ``.metadata`` changes no object it did not
+  make and ends; a declared size is checked before it is allocated; every malformed ``.metadata`` is a
+  CheckpointError naming the file and what is wrong. A genuine checkpoint loads after items 2 and 3's.
 
 Expected values are the saved objects' own tensors, compared byte for byte.
 """
@@ -373,3 +377,323 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_checkpoint(tmp_p
         assert error is not None and error.startswith(f"cannot save the checkpoint {tmp_path / 'ckpt'}: rank 1: the "
                                                       f"disk is full (no space left on device: "), error
         assert left == ["ckpt"] and extra == {"step": 3} and bitwise
+
+
+# ------------------------------------------------------------------------------ issue 46: crafted checkpoints
+def _edit_metadata(path: Path, edit) -> None:
+    """``edit`` applied to the checkpoint's metadata (unpickled: the test's own, trusted), written back, and
+    the manifest recomputed (what a tamperer does)."""
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rewrite_manifest(path)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _metadata_calls(path: Path, model, opt):
+    """Every load path that reads ``.metadata``, by name."""
+    return {"load model and optimizer": lambda: hd.load_checkpoint(path, model, opt),
+            "load the model": lambda: hd.load_checkpoint(path, model),
+            "load extra": lambda: hd.load_checkpoint(path),
+            "layout": lambda: hd.get_optimizer_state_dict(model, opt, checkpoint_id=path),
+            "verify": lambda: hd.verify_checkpoint(path)}
+
+
+@pytest.mark.parametrize("manifest", ["recomputed", "removed"])
+@pytest.mark.parametrize("escape", ["relative", "absolute", "link"])
+def test_a_load_opens_no_file_outside_the_checkpoint(tmp_path, escape, manifest):
+    """Item 2: ``.metadata`` naming another checkpoint's data file (``../a/__0_0.distcp``, or its absolute
+    path), or a data file that is a link to it, with a manifest recomputed to match or none: every load
+    and verify_checkpoint refuse, naming the file, and load nothing of the other checkpoint (which has
+    the same layout, so reading it would succeed)."""
+    other, path = tmp_path / "a", tmp_path / "ckpt"
+    other_model, other_opt = _saved(other, seed=7)
+    _saved(path)
+    outside = other / "__0_0.distcp"
+    name = {"relative": "../a/__0_0.distcp", "absolute": str(outside), "link": "__0_0.distcp"}[escape]
+    if escape == "link":
+        (path / name).unlink()
+        (path / name).symlink_to(outside)
+    else:
+        def edit(metadata):
+            for index, info in metadata.storage_data.items():
+                info.relative_path = name
+
+        _edit_metadata(path, edit)
+    if manifest == "recomputed":
+        (path / "halfadam.sha256").write_text(f"{_sha256(path / '.metadata')}  .metadata\n{_sha256(outside)}  {name}\n")
+    else:
+        (path / "halfadam.sha256").unlink()
+    if escape == "link":
+        want = f"{path / name}: lies outside the checkpoint directory {path} (a link to " \
+               f"{os.path.realpath(outside)}); refusing to read it"
+    else:
+        want = f"{path / '.metadata'}: names the data file {name!r} (for its item "
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+    calls = _metadata_calls(path, model, opt)
+    if escape == "link":
+        del calls["layout"]  # reads .metadata alone
+    for what, call in calls.items():
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        if what == "verify" and manifest == "recomputed":  # it checks the manifest's files first
+            want = f"{path / name}: lies outside the checkpoint directory {path}"
+        assert want in str(info.value), (what, str(info.value))
+    assert same(snapshot(model, opt), before)
+    assert hd.load_checkpoint(other, model, opt) == {"step": 3}  # the other checkpoint, genuine, loads
+    assert same(snapshot(model, opt), snapshot(other_model, other_opt))
+
+
+def _global(module: str, name: str) -> bytes:
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def _text(s: str) -> bytes:
+    return pickle.BINUNICODE + len(s).to_bytes(4, "little") + s.encode()
+
+
+@pytest.mark.parametrize("target", ["a class", "an enum member"])
+def test_unpickling_metadata_changes_nothing_outside_what_it_returns(tmp_path, target):
+    """Item 3: a ``.metadata`` whose pickle gives attributes (BUILD) to an object it only names, here
+    ``pathlib.PosixPath`` itself (its ``__truediv__``, used by every path join) or a member of DCP's
+    memory-format enum, both shared by the whole process: refused before the attribute is set, by every
+    load path; the class and the member are as they were, and a genuine checkpoint loads after."""
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    if target == "a class":  # PosixPath.__truediv__ = collections.OrderedDict, by BUILD's (dict, slot state)
+        crafted = (_global("pathlib", "PosixPath") + pickle.NONE + pickle.EMPTY_DICT + _text("__truediv__")
+                   + _global("collections", "OrderedDict") + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD)
+        what = "the class pathlib.PosixPath"
+    else:  # _MEM_FORMAT_ENCODING(0).halfadam_marker = True, by BUILD's dict state
+        crafted = (_global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING") + pickle.BININT1 + b"\0"
+                   + pickle.TUPLE1 + pickle.REDUCE + pickle.EMPTY_DICT + _text("halfadam_marker") + pickle.NEWTRUE
+                   + pickle.SETITEM + pickle.BUILD)
+        what = "a torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"
+    path = tmp_path / "ckpt"
+    _saved(path)
+    (path / ".metadata").write_bytes(pickle.PROTO + b"\2" + crafted + pickle.STOP)
+    _rewrite_manifest(path)
+    model, opt = make("compact", seed=1)
+    try:
+        for name, call in _metadata_calls(path, model, opt).items():
+            with pytest.raises(halfadam.CheckpointError) as info:
+                call()
+            assert f"{path / '.metadata'}: sets attributes of {what}, which DCP's metadata never does; refusing to " \
+                   f"load it" in str(info.value), (name, str(info.value))
+        assert "__truediv__" not in vars(pathlib.PosixPath) and "halfadam_marker" not in vars(member)
+    finally:  # where the attribute was set after all (the code before the fix), for the tests that follow
+        if "__truediv__" in vars(pathlib.PosixPath):
+            del pathlib.PosixPath.__truediv__
+        vars(member).pop("halfadam_marker", None)
+    genuine_model, genuine_opt = _saved(tmp_path / "genuine", seed=3)
+    assert hd.load_checkpoint(tmp_path / "genuine", model, opt) == {"step": 3}
+    assert same(snapshot(model, opt), snapshot(genuine_model, genuine_opt))
+
+
+def test_a_declared_size_is_checked_before_anything_is_allocated(tmp_path):
+    """Item 4: ``.metadata`` declaring a master weight of 2^44 float32 elements (64 TiB) for an optimizer
+    without master weights (a field its layout lacks, so the load would make a tensor of the saved size
+    to read it into): refused naming the key and the sizes, before any allocation, by the load and by
+    ``get_optimizer_state_dict(checkpoint_id=)``. The genuine size gets the optimizer's own refusal."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    path = tmp_path / "ckpt"
+    _saved(path, "fp32")
+    key = "optim.state.0.weight.master_weight"
+
+    def edit(metadata):
+        meta = metadata.state_dict_metadata[key]
+        meta.size = torch.Size([2 ** 44])
+        meta.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([2 ** 44]))]
+        metadata.storage_data[MetadataIndex(key, [0])] = metadata.storage_data.pop(MetadataIndex(key, [0, 0]))
+
+    model, opt = make("fp32", seed=1, master_weights=False)
+    with pytest.raises(halfadam.CheckpointError, match="has a master weight .* but this optimizer keeps none"):
+        hd.load_checkpoint(path, model, opt)
+    _edit_metadata(path, edit)
+    want = f"{path / '.metadata'}: its key {key!r} is a tensor of {2 ** 44} elements [{2 ** 44}], more than its " \
+           f"parameter's {8 * 256}, which no state tensor has; refusing to allocate it"
+    before = snapshot(model, opt)
+    with pytest.raises(halfadam.CheckpointError) as info:
+        hd.load_checkpoint(path, model, opt)
+    assert want in str(info.value), str(info.value)
+    assert same(snapshot(model, opt), before)
+    with pytest.raises(halfadam.CheckpointError) as info:
+        hd.get_optimizer_state_dict(model, opt, checkpoint_id=path)
+    assert want in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("manifest", ["kept", "removed"])
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata"])
+def test_a_fifo_in_a_checkpoint_is_never_opened(tmp_path, victim, manifest):
+    """Item 5: a data file or ``.metadata`` that is a FIFO (opening it for reading blocks until a writer
+    comes): the load and verify_checkpoint refuse it at once, naming it (an alarm ends the test where
+    they block)."""
+    path = tmp_path / "ckpt"
+    _saved(path)
+    if manifest == "removed":
+        (path / "halfadam.sha256").unlink()
+    (path / victim).unlink()
+    os.mkfifo(path / victim)
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+
+    def blocked(signum, frame):
+        raise TimeoutError(f"blocked opening {victim}")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    try:
+        for call in (lambda: hd.load_checkpoint(path, model, opt), lambda: hd.verify_checkpoint(path)):
+            signal.alarm(5)
+            with pytest.raises(halfadam.CheckpointError) as info:
+                call()
+            signal.alarm(0)
+            assert f"{path / victim}: is a FIFO, not a regular file; a checkpoint's files are regular files, " \
+                   f"refusing to read it" in str(info.value), str(info.value)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert same(snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("content, message", [
+    (pickle.PROTO + b"\2" + pickle.EXT1 + b"\5" + pickle.STOP,
+     "uses pickle's extension registry, which DCP's metadata never does; refusing to load it"),
+    (pickle.PERSID + b"abc\n" + pickle.STOP,
+     "holds a persistent id ('abc'), which DCP's metadata never contains; refusing to load it"),
+    (pickle.PROTO + b"\2" + _text("abc") + pickle.BINPERSID + pickle.STOP,
+     "holds a persistent id ('abc'), which DCP's metadata never contains; refusing to load it"),
+    (None, "cannot be unpickled (corrupt or truncated?): "),  # None: the checkpoint's own, cut in half
+    (b"\0\1 not a pickle", "cannot be unpickled (corrupt or truncated?): "),
+], ids=["EXT1", "PERSID", "BINPERSID", "truncated", "not a pickle"])
+def test_metadata_that_is_not_a_plain_pickle_is_a_checkpoint_error(tmp_path, content, message):
+    """Item 6: corrupt ``.metadata`` (pickle's persistent ids, its extension registry, cut short, no
+    pickle): CheckpointError naming the file and what is wrong from every load path (a raw ValueError
+    or UnpicklingError from get_optimizer_state_dict(checkpoint_id=) before)."""
+    path = tmp_path / "ckpt"
+    _saved(path)
+    data = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(data[:len(data) // 2] if content is None else content)
+    _rewrite_manifest(path)
+    model, opt = make("compact", seed=1)
+    for name, call in _metadata_calls(path, model, opt).items():
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        assert f"{path / '.metadata'}: {message}" in str(info.value), (name, str(info.value))
+
+
+def _nested_tuples(depth: int) -> bytes:
+    """Pickle opcodes that leave ``t[depth]`` on the stack, ``t[0] = (1,)`` and ``t[i] = (t[i-1], t[i-1])``:
+    a few bytes a level, each level sharing the one below, so hashing (or printing) it takes 2^depth steps."""
+    ops = pickle.BININT1 + b"\1" + pickle.TUPLE1 + pickle.BINPUT + b"\0" + pickle.POP
+    for i in range(1, depth + 1):
+        ops += pickle.BINGET + bytes([i - 1]) + pickle.BINGET + bytes([i - 1]) + pickle.TUPLE2 + pickle.BINPUT + \
+            bytes([i]) + pickle.POP
+    return ops + pickle.BINGET + bytes([depth])
+
+
+_HASHED = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("ignore")
+    import halfadam, halfadam.distributed as hd
+    for path in sys.argv[1:]:
+        try:
+            hd.verify_checkpoint(path)
+            print("LOADED", flush=True)
+        except halfadam.CheckpointError as exc:
+            print(exc, flush=True)
+""")
+
+
+def test_metadata_that_would_hash_for_ever_is_refused_at_once(tmp_path):
+    """A ``.metadata`` of a few hundred bytes whose nested tuples (60 levels, each sharing the one below)
+    are a dict's key, or the argument of the enum DCP's metadata names (a lookup: a hash), directly or
+    as the state of a second BUILD of an object given that enum as its ``__setstate__`` by the first:
+    hashing them takes 2^60 steps (the C unpickler, in C, cannot even be interrupted). Refused at
+    once, naming the file; run in a child process, which the test ends after 60 s."""
+    enum = _global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+    bombs = {"key": pickle.EMPTY_DICT + _nested_tuples(60) + pickle.NONE + pickle.SETITEM,
+             "call": enum + _nested_tuples(60) + pickle.TUPLE1 + pickle.REDUCE,
+             "setstate": _global("torch.distributed.checkpoint.metadata", "MetadataIndex") + pickle.EMPTY_TUPLE
+             + pickle.NEWOBJ + pickle.EMPTY_DICT + _text("__setstate__") + enum + pickle.SETITEM + pickle.BUILD
+             + _nested_tuples(60) + pickle.BUILD}
+    for name, bomb in bombs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(pickle.PROTO + b"\2" + bomb + pickle.STOP)
+    env = dict(os.environ, PYTHONPATH=str(Path(halfadam.__file__).parents[1]))
+    try:
+        out = subprocess.run([sys.executable, "-c", _HASHED, *(str(tmp_path / name) for name in bombs)], env=env,
+                             capture_output=True, text=True, timeout=60).stdout.splitlines()
+    except subprocess.TimeoutExpired:
+        pytest.fail("the load still hashed after 60 s")
+    assert out == [f"cannot load the checkpoint {tmp_path / 'key'}: {tmp_path / 'key' / '.metadata'}: keys a dict by "
+                   f"other than a string, an int or a MetadataIndex, which DCP's metadata never does; refusing to "
+                   f"load it",
+                   f"cannot load the checkpoint {tmp_path / 'call'}: {tmp_path / 'call' / '.metadata'}: calls "
+                   f"_MEM_FORMAT_ENCODING with other than plain values, which DCP's metadata never does; refusing to "
+                   f"load it",
+                   f"cannot load the checkpoint {tmp_path / 'setstate'}: {tmp_path / 'setstate' / '.metadata'}: "
+                   f"gives a MetadataIndex a state other than its attributes, which DCP's metadata never does; "
+                   f"refusing to load it"], out
+
+
+def _add_item(metadata, name: str, like: str) -> None:
+    """A new item ``name`` in ``metadata``, stored where the item ``like`` is."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata.state_dict_metadata[name] = metadata.state_dict_metadata[like]
+    metadata.storage_data[MetadataIndex(name)] = metadata.storage_data[MetadataIndex(like)]
+
+
+def _renumbered(metadata) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    prefix = "optim.param_groups.0."
+    for name in [n for n in metadata.state_dict_metadata if n.startswith(prefix)]:
+        new = "optim.param_groups.3." + name[len(prefix):]
+        metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(name)
+        metadata.storage_data[MetadataIndex(new)] = metadata.storage_data.pop(MetadataIndex(name))
+
+
+def _without_storage(metadata) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    metadata.storage_data.pop(MetadataIndex("model.0.weight", [0, 0]))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda md: _add_item(md, "optim.param_groups.x.lr", "optim.param_groups.0.lr"),
+     "its key 'optim.param_groups.x.lr' is not 'optim.param_groups.<group index>.<name>'"),
+    (_renumbered, "its parameter groups under 'optim' are numbered [3], not 0 to 0"),
+    (lambda md: _add_item(md, "optim.param_groups.0.lr.x", "optim.param_groups.0.lr"),
+     "its key 'optim.param_groups.0.lr.x' holds a value where another key holds values under it (or the other "
+     "way round)"),
+    (lambda md: setattr(md, "storage_meta", "x"),
+     "is malformed: its state_dict_metadata and storage_data must be dicts and its storage_meta a StorageMeta"),
+    (_without_storage, "is malformed: its item 'model.0.weight' (or one of its chunks) has no storage entry"),
+], ids=["group index", "group numbers", "value and dict", "storage_meta", "no storage entry"])
+def test_malformed_metadata_is_a_checkpoint_error(tmp_path, edit, message):
+    """Item 6: ``.metadata`` that unpickles but is not what DCP writes (keys that are not DCP's flattening of
+    an optimizer state dict, a wrong field type, an item without its place in a file): CheckpointError
+    naming the file and what is wrong, from the load and from get_optimizer_state_dict(checkpoint_id=),
+    before either changes anything."""
+    path = tmp_path / "ckpt"
+    _saved(path)
+    _edit_metadata(path, edit)
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+    for call in (lambda: hd.load_checkpoint(path, model, opt),
+                 lambda: hd.get_optimizer_state_dict(model, opt, checkpoint_id=path)):
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        assert f"{path / '.metadata'}: {message}" in str(info.value), str(info.value)
+        assert same(snapshot(model, opt), before)

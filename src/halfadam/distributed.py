@@ -40,6 +40,7 @@ import contextlib
 import errno
 import gc
 import io
+import math
 import os
 import socket
 from datetime import timedelta
@@ -265,7 +266,8 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
         CheckpointError: the state under ``key`` in ``checkpoint_id`` was saved flattened, or nothing is
             saved under ``key`` (the message lists the keys that are), or its ``.metadata`` fails the
             checkpoint's SHA-256 manifest or names a global that DCP's metadata never holds (it is
-            unpickled admitting only DCP's classes).
+            unpickled admitting only DCP's classes); ``checkpoint_id`` does not exist (as for
+            :func:`load_checkpoint`); ``.metadata`` is malformed (as for :func:`load_checkpoint`).
     """
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
@@ -273,9 +275,10 @@ def get_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, *, options:
         if halfadam_optimizer(optimizer) is not None:
             init_state(optimizer)
         return dcp_sd.get_optimizer_state_dict(model, optimizer, options=options)
-    from ._dcp_io import ChecksummedReader
+    from ._dcp_io import ChecksummedReader, check_present
 
     _nested(options)
+    check_present(checkpoint_id, f"cannot read the checkpoint {checkpoint_id}")
     saved_keys = ChecksummedReader(str(checkpoint_id)).read_metadata().state_dict_metadata
     _nested_checkpoint(saved_keys, key, checkpoint_id)
     return _checkpoint_layout(model, optimizer, options, checkpoint_id, saved_keys, key)
@@ -288,11 +291,12 @@ def _checkpoint_layout(model: torch.nn.Module, optimizer: Any, options: Any, che
     optimizer's), so ``dcp.load`` writes nothing of ``optimizer``'s."""
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
+    groups = _saved_groups(saved_keys, key, checkpoint_id)
     layout = _layout_of(optimizer, checkpoint_id, saved_keys, key, staging)
     init_state(layout)
     osd = dcp_sd.get_optimizer_state_dict(model, layout, options=options)
-    osd["param_groups"] = _saved_groups(saved_keys, key)
-    _saved_fields(osd["state"], saved_keys, key)
+    osd["param_groups"] = groups
+    _saved_fields(osd["state"], saved_keys, key, checkpoint_id)
     return osd
 
 
@@ -319,16 +323,18 @@ def _nested_checkpoint(saved_keys: Any, key: str, checkpoint_id: Any) -> None:
             f"options, into an optimizer of the state mode it was saved in")
 
 
-def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -> None:
+def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str, checkpoint_id: Any) -> None:
     """Give ``state`` (per parameter name, the layout's state tensors) the fields the checkpoint saved
     under ``key``, in place, so that ``load_state_dict`` judges them as it does in one process: a field
     the checkpoint lacks (a master saved without master weights, a parameter that never stepped) is
     dropped, and one the layout lacks (a master, for an optimizer without master weights) gets a
-    tensor of its saved size and dtype (whole, on the CPU) to be read into. A field saved as a tensor
+    tensor of its saved size and dtype (whole, on the CPU) to be read into, once that size is found to
+    be no larger than the parameter (CheckpointError naming the key otherwise: nothing is allocated
+    for a size that ``.metadata`` merely declares). A field saved as a tensor
     where the layout has an object, or the other way round, or nested where the layout's is not
     (``step``: a tensor in checkpoints of 8-bit codes written before their label, bytes in those up to
     673f2dc, a dict since, :data:`halfadam.encodings.CODES_LABEL`), takes the checkpoint's kind."""
-    prefix = f"{key}.state."
+    prefix, source = f"{key}.state.", Path(checkpoint_id) / ".metadata"
     saved: Dict[str, Dict[str, Any]] = {}
     for name, meta in saved_keys.items():
         if not name.startswith(prefix):
@@ -337,23 +343,32 @@ def _saved_fields(state: Dict[str, Dict[str, Any]], saved_keys: Any, key: str) -
         for cut in range(len(parts) - 1, 0, -1):  # the longest leading run that names a parameter (names hold dots)
             fqn = ".".join(parts[:cut])
             if fqn in state:
-                _nest(saved.setdefault(fqn, {}), ".".join(parts[cut:]), meta)
+                _nest(saved.setdefault(fqn, {}), ".".join(parts[cut:]), meta, f"{source}: its key {name!r}")
                 break
     for fqn in list(state):
         if fqn in saved:
-            state[fqn] = _saved_kinds(state[fqn], saved[fqn])
+            limit = max((v.numel() for v in state[fqn].values() if isinstance(v, Tensor)), default=0)
+            state[fqn] = _saved_kinds(state[fqn], saved[fqn], limit, source, f"{prefix}{fqn}")
         else:
             del state[fqn]
 
 
-def _saved_kinds(value: Any, saved: Any) -> Any:
+def _saved_kinds(value: Any, saved: Any, limit: int, source: Path, name: str) -> Any:
     """``value`` (the layout's) where it is of the checkpoint's kind (``saved``: DCP metadata, or a dict of
-    them for a nested value), else what ``dcp.load`` can read the saved value into."""
+    them for a nested value), else what ``dcp.load`` can read the saved value into: a new tensor of at
+    most ``limit`` elements (its parameter's), else CheckpointError naming ``source`` (the metadata
+    file) and ``name`` (the key)."""
     if isinstance(saved, dict):
         value = value if isinstance(value, dict) else {}
-        return {k: _saved_kinds(value.get(k), meta) for k, meta in saved.items()}
+        return {k: _saved_kinds(value.get(k), meta, limit, source, f"{name}.{k}") for k, meta in saved.items()}
     if hasattr(saved, "size"):  # a tensor
-        return value if isinstance(value, Tensor) else torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+        if isinstance(value, Tensor):
+            return value  # DCP checks the saved size against it
+        if math.prod(saved.size) > limit:
+            raise CheckpointError(f"{source}: its key {name!r} is a tensor of {math.prod(saved.size)} elements "
+                                  f"{list(saved.size)}, more than its parameter's {limit}, which no state tensor has; "
+                                  f"refusing to allocate it")
+        return torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
     return value if value is not None and not isinstance(value, (Tensor, dict)) else b""  # any object: dcp.load replaces it
 
 
@@ -383,26 +398,39 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
     return layout
 
 
-def _saved_groups(saved_keys: Any, key: str) -> List[Dict[str, Any]]:
+def _saved_groups(saved_keys: Any, key: str, checkpoint_id: Any) -> List[Dict[str, Any]]:
     """A template of the ``param_groups`` saved under ``key`` (``saved_keys``: the checkpoint's DCP
     metadata keys), for ``dcp.load`` to fill: the checkpoint's own keys, whatever this optimizer's
     groups hold (a schedule is saved as nested plain data, whose keys depend on its class, or as
-    ``None``)."""
-    prefix = f"{key}.param_groups."
+    ``None``). CheckpointError naming ``checkpoint_id``'s ``.metadata`` for a key that is not
+    ``<key>.param_groups.<index>.<name>`` or groups not numbered from 0 on."""
+    prefix, source = f"{key}.param_groups.", Path(checkpoint_id) / ".metadata"
     groups: Dict[int, Dict[str, Any]] = {}
     for name in saved_keys:
         if name.startswith(prefix):
             index, _, rest = name[len(prefix):].partition(".")
-            _nest(groups.setdefault(int(index), {}), rest, None)
+            if not (index.isascii() and index.isdigit() and rest):
+                raise CheckpointError(f"{source}: its key {name!r} is not '{prefix}<group index>.<name>'")
+            _nest(groups.setdefault(int(index), {}), rest, None, f"{source}: its key {name!r}")
+    if sorted(groups) != list(range(len(groups))):
+        raise CheckpointError(f"{source}: its parameter groups under {key!r} are numbered {sorted(groups)[:8]}, not "
+                              f"0 to {len(groups) - 1}")
     return [groups[i] for i in sorted(groups)]
 
 
-def _nest(tree: Dict[str, Any], dotted: str, value: Any) -> None:
+def _nest(tree: Dict[str, Any], dotted: str, value: Any, where: str) -> None:
     """Put ``value`` into ``tree`` (nested dicts, in place) at the path of a DCP key's ``dotted`` rest
-    (DCP flattens nested dicts with "."): ``"step.halfadam_step"`` is ``tree["step"]["halfadam_step"]``."""
+    (DCP flattens nested dicts with "."): ``"step.halfadam_step"`` is ``tree["step"]["halfadam_step"]``.
+    CheckpointError (``where``: its start, the file and the key) where another key holds a value at a
+    dict of this path or the other way round (no state dict DCP writes has both ``a.b`` and ``a.b.c``)."""
     *path, leaf = dotted.split(".")
     for part in path:
         tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            break
+    if not isinstance(tree, dict) or isinstance(tree.get(leaf), dict):
+        raise CheckpointError(f"{where} holds a value where another key holds values under it (or the other way "
+                              f"round)")
     tree[leaf] = value
 
 
@@ -473,8 +501,12 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
     (``renameat2(RENAME_EXCHANGE)``; where the file system lacks it, two renames) and removes the old
     one; every rank returns after that. So a save killed or failing at any point leaves the previous
     checkpoint (or, once exchanged, the new one) whole at ``checkpoint_id``; the temporary directory of
-    a killed save is removed by the next save in that directory. An existing ``checkpoint_id`` must be a
-    DCP checkpoint directory (or empty): one holding other files is refused, as the save replaces it.
+    a killed save is removed by the next save in that directory. Without the exchange, a save killed
+    between its two renames leaves no ``checkpoint_id``, the new checkpoint and the old one beside it:
+    a load names the new one, and the next save to ``checkpoint_id`` renames it back before it removes
+    anything (a complete checkpoint is never removed while ``checkpoint_id`` is missing). An existing
+    ``checkpoint_id`` must be a DCP checkpoint directory (or empty): one holding other files is refused,
+    as the save replaces it.
 
     Raises:
         ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is written).
@@ -550,10 +582,9 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     :func:`get_optimizer_state_dict` with ``checkpoint_id`` does; a ``torch.optim`` optimizer loads
     DCP's way). State is matched to parameters by name, as DCP does. In order:
 
-    1. the files are checked against the checkpoint's SHA-256 manifest before any is read (a
-       checkpoint written without one, by plain ``dcp.save``, is read unchecked); ``.metadata`` is
-       unpickled admitting only DCP's metadata classes, and every non-tensor item (the groups' values,
-       the extra data) with ``torch.load(weights_only=True)``, so nothing in the checkpoint runs code;
+    1. the files are checked against the SHA-256 manifest before any is read (one of plain ``dcp.save`` has none:
+       read unchecked); ``.metadata`` is unpickled admitting only DCP's classes and checked, every non-tensor item
+       with ``torch.load(weights_only=True)``: nothing runs code; only regular files inside the directory are opened;
     2. DCP loads into staging tensors: new ones of the model's and of a temporary optimizer's state
        (one more copy of the model and of the optimizer state in memory while it runs);
     3. then the model's parameters and buffers are copied in, and the optimizer's state is loaded
@@ -568,21 +599,21 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
 
     Raises:
         ValueError: ``options`` with ``flatten_optimizer_state_dict=True`` (before anything is read).
-        CheckpointError: the optimizer state was saved flattened (``flatten_optimizer_state_dict=True``);
-            a file fails the manifest (named); ``.metadata`` or a non-tensor item names a global a
-            halfadam checkpoint never holds (named, with its file; nothing of it runs); nothing is saved
-            under ``key``; other parameter groups; DCP fails to read (its ``CheckpointException``, a
-            ``BaseException``, is the cause); or the state does not fit ``optimizer`` (its
-            ``load_state_dict``'s message).
+        CheckpointError: no directory ``checkpoint_id`` (naming the complete one a killed save left beside it); the
+            optimizer state was saved flattened; a file fails the manifest, lies outside the directory or is no regular
+            file (named); ``.metadata`` is malformed, or it or a non-tensor item names a global a halfadam checkpoint
+            never holds (named, with its file and why; nothing of it runs); nothing is saved under ``key``; other
+            parameter groups; DCP fails to read (its ``CheckpointException``, a ``BaseException``, is the cause); the
+            state does not fit ``optimizer`` (as its ``load_state_dict`` says).
         KeyboardInterrupt, SystemExit: as raised, also from inside DCP (nothing changed).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    from ._dcp_io import ChecksummedReader, SafeLoadPlanner
+    from ._dcp_io import ChecksummedReader, SafeLoadPlanner, check_present
 
     _nested(options)
-    where = f"cannot load the checkpoint {checkpoint_id}"
+    check_present(checkpoint_id, where := f"cannot load the checkpoint {checkpoint_id}")  # before any reading
     with _checkpoint_errors(where):
         reader = ChecksummedReader(str(checkpoint_id))
         keys = reader.read_metadata().state_dict_metadata  # checked first, on every rank
@@ -590,7 +621,7 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
         if model is None:
             raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
         _nested_checkpoint(keys, key, checkpoint_id)
-        groups = len(_saved_groups(keys, key))
+        groups = len(_saved_groups(keys, key, checkpoint_id))
         if groups and groups != len(optimizer.param_groups):
             raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
                                   f"{len(optimizer.param_groups)}")
@@ -647,16 +678,20 @@ def _staging(model: Optional[torch.nn.Module], optimizer: Any, options: Any, che
 def verify_checkpoint(checkpoint_id: Any) -> None:
     """Check every file of the DCP checkpoint ``checkpoint_id`` against its SHA-256 manifest (all of
     them: a load checks only the files it reads), and read its ``.metadata`` and every non-tensor
-    item as a load does (refusing anything but plain data), without loading anything into a model.
-    A checkpoint without a manifest is read unchecked.
+    item as a load does (refusing anything but plain data), and check that every data file it names
+    is a regular file inside the directory, without loading anything into a model. A checkpoint
+    without a manifest is read unchecked (but as confined).
 
     Raises:
-        CheckpointError: a file is missing, corrupt, truncated or not in the manifest (named); the
-            manifest does not list ``.metadata``; ``.metadata`` or a non-tensor item holds an object
-            that a halfadam checkpoint never contains (named, with its file).
+        CheckpointError: ``checkpoint_id`` does not exist (as for :func:`load_checkpoint`); a file is
+            missing, corrupt, truncated or not in the manifest (named); the manifest does not list
+            ``.metadata``; ``.metadata`` or a non-tensor item holds an object that a halfadam
+            checkpoint never contains (named, with its file); ``.metadata`` is malformed or a file is not
+            a regular file inside the directory (as for :func:`load_checkpoint`).
     """
-    from ._dcp_io import ChecksummedReader
+    from ._dcp_io import ChecksummedReader, check_present
 
+    check_present(checkpoint_id, f"cannot load the checkpoint {checkpoint_id}")
     with _checkpoint_errors(f"cannot load the checkpoint {checkpoint_id}"):
         reader = ChecksummedReader(str(checkpoint_id))
         if reader.manifest is not None:
