@@ -172,3 +172,27 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(halfadam.CheckpointError, match=rf"^cannot read the checkpoint {tmp_path / 'nope'}: "
                                                        rf"no such directory$"):
         hd.get_optimizer_state_dict(model, opt, checkpoint_id=tmp_path / "nope")
+
+
+@needs_proc
+def test_train_resume_refuses_to_start_over_a_stranded_checkpoint(tmp_path, capsys, monkeypatch):
+    """``halfadam train --dist fsdp --resume DIR``: a mode whose checkpoint a killed save left beside its path
+    is refused, naming it, before any mode trains (it took the missing path for "not saved yet" and started
+    that mode from step 0; its first save would then have replaced the stranded checkpoint)."""
+    pytest.importorskip("sklearn")
+    import halfadam.cli.train as T
+    from halfadam.cli import main
+
+    path = tmp_path / "ck" / "bf16-halfadam-compact.dcp"
+    old = make("compact", seed=3)
+    train(*old, seed=3)
+    hd.save_checkpoint(path, *old, extra={"step": 3})
+    _killed_save(path, "between renames", 5)
+    monkeypatch.setattr(T, "train_mode", lambda *a, **k: pytest.fail("trained despite a stranded checkpoint"))
+    capsys.readouterr()
+    assert main(["train", "--task", "digits", "--modes", "bf16-halfadam-compact", "--dist", "fsdp", "--steps", "4",
+                 "--no-progress", "--out", str(tmp_path / "out"), "--resume", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"halfadam train: error: --resume: cannot load the checkpoint {path}: no such directory; a save to it "
+                          f"that did not finish (killed?) left the complete checkpoint {path.parent}/."), err
+    assert err.count("\n") == 1, err

@@ -101,6 +101,7 @@ def _check_resume(cfg: TrainConfig) -> list[str]:
     for name in cfg.modes:
         path = _resume_path(cfg, name)
         if not path.exists():
+            _check_not_stranded(cfg, path)
             fresh.append(name)
             continue
         _check_resumed_options(cfg, path, _read_resume(cfg, path))  # read and verified; loaded into nothing
@@ -111,6 +112,22 @@ def _check_resume(cfg: TrainConfig) -> list[str]:
         raise CLIError(f"--resume: no checkpoint at {_resume_path(cfg, '<mode>')} for any of --modes "
                        f"{','.join(cfg.modes)}{hint}")
     return fresh
+
+
+def _check_not_stranded(cfg: TrainConfig, path: Path) -> None:
+    """CLIError where a ``--dist fsdp`` save to the missing ``path`` was killed between its two renames and left
+    its complete checkpoint beside it (:func:`halfadam.distributed.verify_checkpoint` names it): resuming that
+    mode from scratch would lose it (and the run's next save would then replace it)."""
+    if cfg.dist != "fsdp":
+        return  # a .pt file is renamed into place in one step: a missing one was never saved
+    from halfadam.checkpoint import CheckpointError
+    from halfadam.distributed import verify_checkpoint
+
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as exc:
+        if "left the complete checkpoint" in str(exc):
+            raise CLIError(f"--resume: {exc}") from None
 
 
 def _check_resumed_options(cfg: TrainConfig, path: Path, entries: dict) -> None:
