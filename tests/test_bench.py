@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -266,3 +267,144 @@ def test_tables_fit_100_characters(capsys, monkeypatch):
     failed = [line for line in lines if "failed: RuntimeError: xxx" in line]
     assert len(failed) == 1 and failed[0].endswith("...") and len(failed[0]) == 100
     assert lines[0].startswith("ms/step: ") and "2560/2: 2,560 parameters in 2 tensors, cpu, " in "\n".join(lines)
+
+
+@pytest.fixture
+def restore_threads():
+    """--per-core sets torch's thread count to 1 for the process: give the other tests theirs back."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+#: Bytes one step moves per element, bf16 parameters and gradients (as bench makes them) in matrices of whole
+#: 128-element blocks, derived by hand: gradient read (2), parameter read and written (2 + 2: the master-sync
+#: rule reads it, the step writes it), then each state tensor read and written (x 2): fp32 master 4, split
+#: remainder master_hi + master_lo 1 + 1 and its tie byte 1 per block, split8 master_hi 1 (no tie),
+#: float32/bfloat16/uint8 moments 4/2/1, a uint8 moment's scale byte 1 per block. The 0-d step counts aside.
+MOVED_BF16 = {
+    "fp32": 2 + 2 * 2 + 2 * (4 + 4 + 4),  # 30
+    "split": 2 + 2 * 2 + 2 * ((1 + 1) + 4 + 4 + 1 / 128),  # 26.016
+    "bf16": 2 + 2 * 2 + 2 * ((1 + 1) + 2 + 2 + 1 / 128),  # 18.016
+    "compact": 2 + 2 * 2 + 2 * ((1 + 1) + 1 + 1 + 3 / 128),  # 14.047: tie, exp_avg_scale, exp_avg_sq_exponent
+    "tiny": 2 + 2 * 2 + 2 * (1 + 1 + 1 + 2 / 128),  # 12.031
+}
+#: float32 parameters have no master (the parameter is the weight): gradient 4, weight 4 + 4, moments x 2.
+MOVED_FP32 = {"fp32": 4 + 2 * 4 + 2 * (4 + 4), "bf16": 4 + 2 * 4 + 2 * (2 + 2),
+              "compact": 4 + 2 * 4 + 2 * (1 + 1 + 2 / 128)}
+
+
+def test_bytes_moved_per_state_mode_and_torch(capsys):
+    """Every row's bytes moved per element, from its tensors, is the hand derivation above; torch's AdamW moves
+    28 B on fp32 parameters (grad 4, weight 8, moments 16) and 14 on bf16 ones (bf16 moments, no master)."""
+    argv = ["--sizes", "16k", "--tensors", "2", "--impls", "foreach", "--dtypes", "bf16,fp32", "--state-modes", "all",
+            "--warmup", "0", "--repeat", "1", "--json"]
+    assert bench.main(argv) == 0
+    rows = {(r["impl"], r["dtype"], r.get("state")): r["bytes_moved_per_param"]
+            for r in json.loads(capsys.readouterr().out)}
+    for mode, moved in MOVED_BF16.items():
+        assert rows[("halfadam foreach", "bf16", mode)] == pytest.approx(moved, rel=1e-12), mode
+    for mode, moved in MOVED_FP32.items():
+        assert rows[("halfadam foreach", "fp32", mode)] == pytest.approx(moved, rel=1e-12), mode
+    assert rows[("torch fused", "fp32", None)] == rows[("torch for-loop", "fp32", None)] == 28
+    assert rows[("torch fused", "bf16", None)] == 14
+
+
+def test_predict_step_seconds_is_the_roofline():
+    """7e9 elements on 128 cores at 400 GB/s (a DGX A100 host's figures): at 2 ns and 14 B per element the
+    compute takes 7e9 * 2 / 128 ns = 0.109375 s, the memory 7e9 * 14 / 400e9 = 0.245 s: memory-bound, 0.245 s.
+    At 10 ns the compute, 0.546875 s. The crossover, 14 B / (400 / 128 GB/s) = 4.48 ns, gives both 0.245 s."""
+    assert bench.predict_step_seconds(7e9, 2.0, 14, 128, 400) == pytest.approx(0.245)
+    assert bench.predict_step_seconds(7e9, 10.0, 14, 128, 400) == pytest.approx(0.546875)
+    assert bench.predict_step_seconds(7e9, 4.48, 14, 128, 400) == pytest.approx(0.245)
+    assert bench.predict_step_seconds(1000, 3.0, 30, 1, 5.0) == pytest.approx(6e-6)  # 1 core: 3 us, memory 6 us
+    for args, name in [((-1, 2.0, 14, 128, 400.0), "numel"), ((7e9, math.nan, 14, 128, 400.0), "ns_per_element"),
+                       ((7e9, 2.0, -14, 128, 400.0), "bytes_per_element"), ((7e9, 2.0, 14, 0, 400.0), "cores"),
+                       ((7e9, 2.0, 14, 1.5, 400.0), "cores"), ((7e9, 2.0, 14, 128, 0), "bandwidth_gbs"),
+                       ((7e9, 2.0, 14, 128, math.inf), "bandwidth_gbs")]:
+        with pytest.raises(ValueError, match=f"predict_step_seconds: {name} must be"):
+            bench.predict_step_seconds(*args)
+
+
+PER_CORE = ["--per-core", "--sizes", "64k", "--tensors", "2", "--impls", "foreach", "--dtypes", "bf16",
+            "--state-modes", "fp32,compact", "--warmup", "0", "--repeat", "1"]
+
+
+def test_per_core_table_has_the_columns(capsys, restore_threads):
+    """--per-core: the case at 1 thread, and per row ns/el, B/el (the bytes moved), GB/s/core = B/el / ns/el;
+    with a host, the predicted step of 7B parameters and its bound. 128 cores at 1 GB/s is memory-bound below
+    128 x B/el ns per element (1.8 us and more), so the prediction is the memory time: 7e9 x 30 B / 1 GB/s =
+    210 s in the fp32 state, 7e9 x 14.046875 / 1 = 98.328 s in compact."""
+    assert bench.main(PER_CORE + ["--host-cores", "128", "--host-bandwidth", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "a step of 7,000,000,000 parameters on 128 cores at 1.0 GB/s," in lines[3]
+    assert any(line.startswith("64000/2: 64,000 parameters in 2 tensors, cpu, 1 thread") for line in lines)
+    head = next(line for line in lines if line.startswith("implementation"))
+    assert head.split() == ["implementation", "dtype", "state", "ms/step", "ns/el", "B/el", "GB/s/core", "pred",
+                            "ms", "bound"]
+    rows = {tuple(line.split()[:4]): line.split()[4:] for line in lines if line.startswith("halfadam foreach")}
+    for mode, moved, memory_ms in (("fp32", MOVED_BF16["fp32"], 210_000), ("compact", MOVED_BF16["compact"], 98_328)):
+        ms, ns, b_el, crossover, pred_ms, bound = rows[("halfadam", "foreach", "bf16", mode)]
+        assert float(b_el) == pytest.approx(moved, abs=0.005)
+        assert float(ns) == pytest.approx(float(ms) * 1e6 / 64_000, rel=0.01, abs=0.01)
+        assert float(crossover) == pytest.approx(moved / float(ns), rel=0.01, abs=0.01)
+        assert float(ns) < 128 * moved  # else this machine took 1.8 us per element: the step is compute-bound
+        assert (float(pred_ms), bound) == (memory_ms, "memory")
+
+
+def test_per_core_json_and_a_measured_host(capsys, monkeypatch, restore_threads):
+    """--host-bandwidth here measures this machine at --host-cores threads (stderr says the figure) and predicts
+    with it; the JSON rows carry the per-core figures and the prediction."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda threads: seen.append(threads) or 5.0)
+    argv = PER_CORE + ["--host-cores", "2", "--host-bandwidth", "here", "--model-params", "20M", "--json"]
+    assert bench.main(argv) == 0
+    captured = capsys.readouterr()
+    assert seen == [2] and "halfadam bench: --host-bandwidth here: 5.0 GB/s measured at 2 threads" in captured.err
+    assert torch.get_num_threads() == 1
+    for r in json.loads(captured.out):
+        assert r["threads"] == 1 and r["ns_per_param_core"] == r["ns_per_param"]
+        assert r["crossover_gb_per_s_core"] == pytest.approx(r["bytes_moved_per_param"] / r["ns_per_param"])
+        compute, memory = 20e6 * r["ns_per_param"] / 2 * 1e-9, 20e6 * r["bytes_moved_per_param"] / 5e9
+        assert r["predicted_s"] == pytest.approx(max(compute, memory))
+        assert r["bound"] == ("memory" if memory > compute else "compute")
+        assert (r["model_params"], r["host_cores"], r["host_bandwidth_gbs"]) == (20_000_000, 2, 5.0)
+
+
+def test_measure_bandwidth_restores_the_threads(restore_threads):
+    import torch
+
+    torch.set_num_threads(1)
+    assert bench.measure_bandwidth(2, numel=1 << 16, repeat=2) > 0
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="measure_bandwidth: threads must be at least 1, got 0"):
+        bench.measure_bandwidth(0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--per-core", "--threads", "2"], "--per-core times at 1 thread: leave out --threads (got --threads 2)"),
+        (["--host-cores", "2", "--host-bandwidth", "9", "--threads", "2"],
+         "--host-cores (--per-core) times at 1 thread"),
+        (["--host-cores", "128"], "--host-cores and --host-bandwidth go together"),
+        (["--host-bandwidth", "400"], "--host-cores and --host-bandwidth go together"),
+        (["--model-params", "7B"], "--model-params needs --host-cores and --host-bandwidth"),
+        (["--host-bandwidth", "0"], "argument --host-bandwidth: expected a positive number of GB/s or 'here', got '0'"),
+        (["--host-bandwidth", "fast"], "argument --host-bandwidth: expected a positive number of GB/s or 'here'"),
+        (["--host-cores", "0"], "argument --host-cores: expected a positive integer, got '0'"),
+        (["--model-params", "7.5"], "argument --model-params: expected a positive integer parameter count like 7B"),
+    ],
+)
+def test_bad_per_core_options_are_one_line_exit_2(argv, expected, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "measure", lambda args: pytest.fail("measured despite bad options"))
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda threads: pytest.fail("measured despite bad options"))
+    assert bench.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("halfadam bench: error: ") and expected in captured.err, captured.err

@@ -11,7 +11,25 @@ affects every column alike.
 Figures: ms per step; ns per parameter; GB/s at the nominal 28 bytes per parameter that a
 mixed-precision or fp32 AdamW step must move (read grad, read+write weight, moments; see the README);
 the ratio to ``torch.optim.AdamW(fused=True)`` on fp32; and the optimizer's memory (state plus its
-flat scratch buffers, distinct storages counted once).
+flat scratch buffers, distinct storages counted once). The JSON rows also give the bytes the configuration
+moves per element (``bytes_moved_per_param``, :func:`bytes_moved`): counted from its own tensors after its
+timed steps, the gradient read, the parameter read and written (halfadam's master-sync rule reads it; without
+a master it is the weight), and every state tensor read and written (a master or its remainder, moments,
+Kahan compensation, 8-bit codes, their per-block scales and tie bytes and per-tensor code tables, by their
+element sizes); left out are the 0-d step counters (per tensor, not per element) and halfadam's flat scratch
+buffers. That is one pass over memory, what the C++ kernel and DeepSpeed's CPU Adam make; a step of
+several passes (torch's for-loop and foreach AdamW, halfadam's reference and foreach) or one that gathers
+parameters under 65,536 elements into scratch buffers (halfadam's foreach and fused) moves more, so for
+those it is a lower bound.
+
+``--per-core`` (CPU only) times every configuration at 1 thread and prints per configuration its
+nanoseconds per element per core, its bytes moved per element and their ratio, the crossover: the memory
+bandwidth per core (GB/s, bytes per ns) below which the step is memory-bound on a host, however it compares
+at 1 thread. ``--host-cores N --host-bandwidth GBS`` add each configuration's predicted step time for
+``--model-params`` parameters (default 7e9) on that host, :func:`predict_step_seconds`, a roofline:
+``max(numel * ns_per_element / cores, numel * bytes_per_element / bandwidth)``; ``--host-bandwidth here``
+measures this machine's (:func:`measure_bandwidth` at N threads), for checking a prediction against a
+step timed here at ``--threads N``.
 
 ``--peers`` adds a row per peer of :mod:`halfadam.cli.peers` whose package is installed (optimi with
 Kahan summation, torchao's bf16 stochastic-rounding and 8-bit AdamW, bitsandbytes' 8-bit AdamW,
@@ -42,7 +60,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from halfadam.cli.args import nonnegative_int, positive_int, resolve_device
+from halfadam.cli.args import nonnegative_int, positive_float, positive_int, resolve_device
 from halfadam.cli.errors import CLIError
 from halfadam.cli.modes import DTYPE_ALIASES, STATE_MODES
 from halfadam.cli.peers import PEERS, select as select_peers, tensor_parts
@@ -145,9 +163,9 @@ def _make_params(case: Dict[str, Any], dtype: torch.dtype, device: str, seed: in
     return params
 
 
-def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
-    """Bytes of the optimizer's state (0-d step counters included) and, with ``scratch``, of its flat
-    scratch buffers; a storage shared by several tensors counts once."""
+def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True, counters: bool = True) -> int:
+    """Bytes of the optimizer's state (0-d step counters included, unless not ``counters``) and, with
+    ``scratch``, of its flat scratch buffers; a storage shared by several tensors counts once."""
     seen, total = set(), 0
 
     def add(t):
@@ -160,12 +178,88 @@ def _memory_bytes(opt: torch.optim.Optimizer, scratch: bool = True) -> int:
 
     for st in opt.state.values():
         for v in st.values():
-            add(v)
+            if counters or getattr(v, "ndim", None) != 0:
+                add(v)
     for layout in getattr(opt, "_layouts", {}).values() if scratch else ():
         for b in layout.buckets:
             for buf in b.scratch_buffers():
                 add(buf)
     return total
+
+
+def bytes_moved(opt: torch.optim.Optimizer) -> float:
+    """Bytes one step of ``opt`` moves per parameter element, from its tensors (the module's docstring says what
+    is counted): each gradient read once, each parameter read and written, each state storage (distinct storages
+    once, 0-d step counters and scratch buffers aside) read and written; over the parameters' elements.
+    Its state must exist (after a step).
+
+    Raises:
+        ValueError: ``opt`` has no parameter elements.
+    """
+    params = [p for group in opt.param_groups for p in group["params"]]
+    numel = sum(p.numel() for p in params)
+    if numel == 0:
+        raise ValueError("bytes_moved: the optimizer has no parameter elements")
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return (grads + 2 * weights + 2 * _memory_bytes(opt, scratch=False, counters=False)) / numel
+
+
+def predict_step_seconds(numel: float, ns_per_element: float, bytes_per_element: float, cores: int,
+                         bandwidth_gbs: float) -> float:
+    """The predicted seconds of one step over ``numel`` elements on a host of ``cores`` cores and
+    ``bandwidth_gbs`` GB/s of memory bandwidth (all cores together), a roofline: the compute time
+    ``numel * ns_per_element / cores`` (``ns_per_element``: one core's, measured at 1 thread) or the memory
+    time ``numel * bytes_per_element / bandwidth``, whichever is longer. The step is memory-bound where
+    ``bandwidth_gbs / cores`` (a core's share) is below ``bytes_per_element / ns_per_element`` (bytes per ns
+    are GB/s), the crossover ``--per-core`` prints.
+
+    Raises:
+        ValueError: ``numel``, ``ns_per_element`` or ``bytes_per_element`` not a finite number >= 0, ``cores``
+            not an integer >= 1, or ``bandwidth_gbs`` not a finite number > 0 (the message names it).
+    """
+    def number(value, types=(int, float)):
+        return isinstance(value, types) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name, value in (("numel", numel), ("ns_per_element", ns_per_element), ("bytes_per_element", bytes_per_element)):
+        if not number(value) or value < 0:
+            raise ValueError(f"predict_step_seconds: {name} must be a finite number >= 0, got {value!r}")
+    if not number(cores, int) or cores < 1:
+        raise ValueError(f"predict_step_seconds: cores must be an integer >= 1, got {cores!r}")
+    if not number(bandwidth_gbs) or bandwidth_gbs <= 0:
+        raise ValueError(f"predict_step_seconds: bandwidth_gbs must be a finite number > 0, got {bandwidth_gbs!r}")
+    return max(numel * ns_per_element / cores * 1e-9, numel * bytes_per_element / (bandwidth_gbs * 1e9))
+
+
+def measure_bandwidth(threads: int, numel: int = 1 << 27, repeat: int = 5) -> float:
+    """This machine's memory bandwidth in GB/s at ``threads`` threads, as an optimizer step uses it:
+    ``a.add_(b)`` over two float32 tensors of ``numel`` elements (2 x 512 MiB by default, beyond the
+    caches: the 2-core machine of the docs reports a 480 MiB L3), 8 bytes read and 4 written per element
+    (every line written was read, as in a step: no uncounted write-allocate traffic); the fastest of
+    ``repeat`` calls after an untimed one (STREAM's convention: the figure least disturbed by other load on
+    a shared machine). torch's thread count is restored.
+
+    Raises:
+        ValueError: ``threads``, ``numel`` or ``repeat`` below 1.
+    """
+    import torch
+
+    for name, value in (("threads", threads), ("numel", numel), ("repeat", repeat)):
+        if value < 1:
+            raise ValueError(f"measure_bandwidth: {name} must be at least 1, got {value!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.ones(numel), torch.ones(numel)
+        a.add_(b)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            a.add_(b)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 12 * numel / min(times) / 1e9
 
 
 def _sync(device: str) -> None:
@@ -214,7 +308,7 @@ def measure(args) -> List[Dict[str, Any]]:
         runs = "cpp where the C++ kernel builds, else fused" if on_cpu else "triton where triton imports, else fused"
         print(f"halfadam bench: auto is implementation='auto': on {args.device}, {runs}", file=sys.stderr)
     if not args.json:
-        print(LEGEND + "\n", flush=True)
+        print(_legend(args) + "\n", flush=True)
     rows = []
     for case in _cases(args):
         note = _describe_case(case)
@@ -225,10 +319,12 @@ def measure(args) -> List[Dict[str, Any]]:
         case_rows, torch_fused = _case_rows(case, configs, times, first, args)
         rows += case_rows
         _add_ratios([r for r in rows if r["case"] == case["name"] and "failed" not in r], torch_fused)
+        _add_per_core([r for r in rows if r["case"] == case["name"] and "failed" not in r], args)
         del configs
         gc.collect()
         if not args.json:
-            print(_table([r for r in rows if r["case"] == case["name"]]), flush=True)
+            columns = _PER_CORE_COLUMNS if getattr(args, "per_core", False) else _COLUMNS
+            print(_table([r for r in rows if r["case"] == case["name"]], columns), flush=True)
             if case["name"] == OVERHEAD_CASE:
                 print(_overhead([r for r in rows if r["case"] == case["name"]]), flush=True)
     return rows
@@ -314,7 +410,8 @@ def _case_rows(case: Dict[str, Any], configs: List[list], times: Dict[int, List[
                          gb_per_s=BYTES_PER_PARAM * case["numel"] / t / 1e9,
                          first_step_s=first[i], memory_mb=_memory_bytes(opt) / 2**20,
                          host_us=statistics.median(_host_seconds.pop(id(opt))[args.warmup:]) * 1e6,
-                         state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"]))
+                         state_bytes_per_param=_memory_bytes(opt, scratch=False) / case["numel"],
+                         bytes_moved_per_param=bytes_moved(opt)))
     return rows, torch_fused
 
 
@@ -331,6 +428,22 @@ def _add_ratios(here: List[Dict[str, Any]], torch_fused: Optional[float]) -> Non
             row["speedup_vs_reference"] = ref[key] / row["ms"]
         if (row["dtype"], row["impl"]) in fp32_state and row["impl"].startswith("halfadam"):
             row["vs_fp32_state"] = row["ms"] / fp32_state[(row["dtype"], row["impl"])]
+
+
+def _add_per_core(here: List[Dict[str, Any]], args) -> None:
+    """Under ``--per-core`` (1 thread), add to the timed rows of a case ns per element per core and the crossover
+    bandwidth per core; with ``--host-cores``, the predicted step on that host (:func:`predict_step_seconds`) and
+    which term bounds it."""
+    if not getattr(args, "per_core", False):
+        return
+    for row in here:
+        ns, moved = row["ns_per_param"] * row["threads"], row["bytes_moved_per_param"]
+        row.update(ns_per_param_core=ns, crossover_gb_per_s_core=moved / ns)
+        if args.host_cores is not None:
+            cores, bandwidth = args.host_cores, args.host_bandwidth
+            row.update(model_params=args.model_params, host_cores=cores, host_bandwidth_gbs=bandwidth,
+                       predicted_s=predict_step_seconds(args.model_params, ns, moved, cores, bandwidth),
+                       bound="memory" if moved * cores / bandwidth > ns else "compute")
 
 
 def _overhead(rows: List[Dict[str, Any]]) -> str:
@@ -376,6 +489,34 @@ x fp32: this row's time over the fp32 state's (same implementation and dtype)
 B/param: state bytes per parameter; 1st s: the first step (allocation, compilation)
 opt MB: the optimizer's state and scratch buffers"""
 
+#: ``--per-core``'s columns: the figures of a step at 1 thread that predict it on a host.
+_PER_CORE_COLUMNS = [
+    ("ms/step", lambda r: _fixed(r["ms"])),
+    ("ns/el", lambda r: _fixed(r["ns_per_param_core"])),
+    ("B/el", lambda r: _fixed(r["bytes_moved_per_param"])),
+    ("GB/s/core", lambda r: _fixed(r["crossover_gb_per_s_core"])),
+    ("pred ms", lambda r: _fixed(r["predicted_s"] * 1e3 if "predicted_s" in r else None)),
+    ("bound", lambda r: r.get("bound", "")),
+]
+
+#: ``--per-core``'s legend (and :func:`_legend`'s lines for a host).
+PER_CORE_LEGEND = """\
+ms/step: median step time at 1 thread; ns/el: nanoseconds per element per core (ms/step / elements)
+B/el: bytes a step moves per element: the gradient read, the parameter and state read and written
+GB/s/core: B/el / ns/el, the memory bandwidth per core below which this step is memory-bound"""
+
+
+def _legend(args) -> str:
+    """The legend printed before the first table: :data:`LEGEND`, or :data:`PER_CORE_LEGEND` under ``--per-core``
+    with the predicted step's host."""
+    if not getattr(args, "per_core", False):
+        return LEGEND
+    if args.host_cores is None:
+        return PER_CORE_LEGEND
+    return (f"{PER_CORE_LEGEND}\npred ms: a step of {args.model_params:,} parameters on {args.host_cores} cores at "
+            f"{args.host_bandwidth:.1f} GB/s,\n  max(elements x ns/el / cores, elements x B/el / bandwidth); "
+            f"bound: the larger term")
+
 #: The widest a table's line may be (a failed row's message is cut to fit).
 WIDTH = 100
 
@@ -387,11 +528,12 @@ def _case_heading(rows: List[Dict[str, Any]]) -> str:
             f"{r['threads']} thread{'s' * (r['threads'] != 1)}")
 
 
-def _table(rows: List[Dict[str, Any]]) -> str:
-    """The rows of one case as a text table under its heading, at most :data:`WIDTH` characters wide; a column
-    no row has a figure for is left out, and a failed row shows ``failed: ...`` after its labels."""
+def _table(rows: List[Dict[str, Any]], columns: Optional[list] = None) -> str:
+    """The rows of one case as a text table under its heading, at most :data:`WIDTH` characters wide, in
+    ``columns`` (default :data:`_COLUMNS`); a column no row has a figure for is left out, and a failed row
+    shows ``failed: ...`` after its labels."""
     timed = [r for r in rows if "failed" not in r]
-    columns = [(head, figure) for head, figure in _COLUMNS if any(figure(r) for r in timed)]
+    columns = [(head, figure) for head, figure in columns or _COLUMNS if any(figure(r) for r in timed)]
     head = ["implementation", "dtype", "state"] + [h for h, _ in columns]
     lines = [head]
     for r in rows:
@@ -430,6 +572,26 @@ def _sizes(text: str) -> List[int]:
                                              f"{part.strip()!r}{where}")
         sizes.append(int(round(value)))
     return sizes
+
+
+def _count(text: str) -> int:
+    """``--model-params``: one positive integer parameter count, as :func:`_size` reads it (``7B``, ``7e9``,
+    ``20M``)."""
+    value = _size(text)
+    if not (math.isfinite(value) and value >= 1 and value == round(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive integer parameter count like 7B, 7e9 or 20M, got "
+                                         f"{text.strip()!r}")
+    return int(round(value))
+
+
+def _bandwidth(text: str):
+    """``--host-bandwidth``: a finite number of GB/s > 0, or ``here`` (measured, :func:`measure_bandwidth`)."""
+    if text.strip().lower() == "here":
+        return "here"
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GB/s or 'here', got {text!r}") from None
 
 
 def _names(text: str) -> List[str]:
@@ -495,6 +657,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--peers", action="store_true",
                         help="also time the optimizers a user would pick instead of halfadam, each only if its "
                              "package is installed: " + ", ".join(f"{p.source} ({p.package})" for p in PEERS.values()))
+    parser.add_argument("--per-core", action="store_true",
+                        help="time every configuration at 1 thread (CPU only) and print per configuration: ns per "
+                             "element per core, bytes moved per element (gradient read, parameter and state read and "
+                             "written) and their ratio, the memory bandwidth per core (GB/s) below which the step "
+                             "is memory-bound")
+    parser.add_argument("--host-cores", type=positive_int,
+                        help="with --host-bandwidth (implies --per-core): also print each configuration's predicted "
+                             "step on a host of this many cores, max(elements x ns/el / cores, elements x B/el / "
+                             "bandwidth)")
+    parser.add_argument("--host-bandwidth", type=_bandwidth,
+                        help="that host's memory bandwidth in GB/s, all cores together, or 'here': this machine's, "
+                             "measured at --host-cores threads (a float32 add over 2 x 512 MiB)")
+    parser.add_argument("--model-params", type=_count,
+                        help="parameters of the predicted step, such as 7B, 7e9 or 20M (default 7B)")
     return parser
 
 
@@ -506,6 +682,30 @@ def _fill_defaults(args) -> None:
             args.small = value and not getattr(args, "no_small", False)
         elif getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
+
+
+def _check_per_core(args) -> None:
+    """Check ``--per-core`` and the host options (CLIError for a combination that cannot run) and settle them:
+    the host options imply ``--per-core``, which runs at 1 thread; ``--model-params`` defaults to 7B."""
+    args.per_core = getattr(args, "per_core", False)
+    for key in ("host_cores", "host_bandwidth", "model_params"):
+        setattr(args, key, getattr(args, key, None))
+    if (args.host_cores is None) != (args.host_bandwidth is None):
+        raise CLIError("--host-cores and --host-bandwidth go together (a host's cores and its memory bandwidth in "
+                       "GB/s, or 'here')")
+    if args.model_params is not None and args.host_cores is None:
+        raise CLIError("--model-params needs --host-cores and --host-bandwidth (the host of the predicted step)")
+    args.per_core = args.per_core or args.host_cores is not None
+    if not args.per_core:
+        return
+    option = "--per-core" if args.host_cores is None else "--host-cores (--per-core)"
+    if args.device != "cpu":
+        raise CLIError(f"{option} times CPU steps: --device must be cpu, got {args.device}")
+    if args.threads not in (None, 1):
+        raise CLIError(f"{option} times at 1 thread: leave out --threads (got --threads {args.threads})")
+    args.threads = 1
+    if args.model_params is None:
+        args.model_params = 7_000_000_000
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -539,6 +739,11 @@ def run(args) -> int:
         if size < args.tensors:
             raise CLIError(f"--sizes {size} is smaller than --tensors {args.tensors} (each tensor needs at least "
                            f"one parameter)")
+    _check_per_core(args)
+    if args.host_bandwidth == "here":
+        args.host_bandwidth = measure_bandwidth(args.host_cores)
+        print(f"halfadam bench: --host-bandwidth here: {args.host_bandwidth:.1f} GB/s measured at {args.host_cores} "
+              f"thread{'s' * (args.host_cores != 1)}", file=sys.stderr)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.peer_names = []
