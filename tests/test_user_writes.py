@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import halfadam
+from conftest import needs_gloo
 from halfadam import executions
 
 IMPLS = ["reference", "foreach", "fused"]
@@ -212,6 +213,202 @@ def test_a_float32_moment_put_into_a_compact_state_is_encoded(impl):
     m = opt.to_torch_state_dict()["state"][0]["exp_avg"]
     blocks = (0.9 * x).view(4, 2, 128).abs().amax(-1, keepdim=True)
     assert ((m - 0.9 * x).view(4, 2, 128).abs() / blocks).max() <= 1 / 16
+
+
+# ------------------------------------------------------------------- state written into other forms
+REPLACING = ["reference", "foreach", "cpp"]  # the replaced-state tests' implementations
+PLACE = r"param_groups\[0\]\['params'\]\[0\]"
+
+
+def _bits(v):
+    """``v`` as plain data that compares bitwise with ``==``: a tensor with values by its dtype, shape and
+    bytes; anything else (a tensor without values: meta) by identity."""
+    if isinstance(v, torch.Tensor) and not v.is_meta:
+        return v.dtype, tuple(v.shape), v.detach().reshape(-1).view(torch.uint8).tolist()
+    return "object", id(v)
+
+
+def _exact(opt, params):
+    """The bits of every parameter and every value of its state (the dict's identity too), and every
+    group's ``global_step``."""
+    return ([(_bits(p), id(opt.state[p]), {k: _bits(v) for k, v in opt.state[p].items()}) for p in params],
+            [g["global_step"] for g in opt.param_groups])
+
+
+def _refused(opt, params, match, *calls):
+    """Each of ``calls`` (default: ``opt.step``) raises a ValueError matching ``match``, and changes nothing."""
+    before = _exact(opt, params)
+    for call in calls or (opt.step,):
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert _exact(opt, params) == before
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("mode", ["fp32", "compact"])
+def test_a_state_tensor_on_the_meta_device_is_an_error_naming_it(mode, impl):
+    """A tensor without values (the meta device) put in the state: a ValueError naming the parameter and
+    the key at the step, before anything changes (it was torch's NotImplementedError mid-step)."""
+    p, opt = _stepped(mode, impl)
+    own = opt.state[p]["exp_avg_sq"]
+    opt.state[p]["exp_avg_sq"] = torch.empty(own.shape, dtype=own.dtype, device="meta")
+    _refused(opt, [p], PLACE + r": its state\['exp_avg_sq'\] is on the meta device")
+    opt.state[p]["exp_avg_sq"] = own
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("number", [3, 3.0])
+def test_a_python_number_step_is_taken_on_every_implementation(number, impl):
+    """``opt.state[p]["step"] = 3``: every implementation steps from step 3, as from
+    ``opt.state[p]["step"].fill_(3)``, and keeps a 0-d float32 tensor (torch's form)."""
+    def run(write):
+        p, opt = _stepped("fp32", impl, lr=1e-2)
+        write(opt.state[p])
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        return p, opt.state[p]
+
+    (p, st), (q, ref) = run(lambda st: st.__setitem__("step", number)), run(lambda st: st["step"].fill_(3))
+    assert isinstance(st["step"], torch.Tensor) and st["step"].dtype == torch.float32 and st["step"].shape == ()
+    assert float(st["step"]) == 4.0 and torch.equal(p, q)
+    assert st.keys() == ref.keys() and all(torch.equal(st[k], ref[k]) for k in st)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("step", [-1, 2.5, float("nan"), True, None, torch.zeros(2)], ids=str)
+def test_a_step_that_is_no_count_is_an_error_naming_it(step, impl):
+    """A ``step`` no implementation can count from: a ValueError naming the parameter, before anything changes."""
+    p, opt = _stepped("fp32", impl)
+    opt.state[p]["step"] = step
+    _refused(opt, [p], PLACE + r": its state\['step'\] must be a 1-element tensor or a whole number >= 0")
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("mode, key, match", [
+    ("fp32", "exp_avg_sq", r"missing \['exp_avg_sq'\]"), ("fp32", "step", r"missing \['step'\]"),
+    ("split", "master_tie", r"missing \['master_tie'\]"),
+    ("compact", "exp_avg_scale", r"the state holds no exp_avg_scale")])
+def test_a_deleted_state_key_is_an_error_naming_it(mode, key, match, impl):
+    """``del opt.state[p][key]``: a ValueError naming the parameter and the key at the step, before
+    anything changes; no moment (nor step, nor block scale) restarts from zero silently."""
+    p, opt = _stepped(mode, impl)
+    del opt.state[p][key]
+    _refused(opt, [p], PLACE + r": .*" + match)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+def test_a_key_of_the_users_in_the_state_is_an_error_at_the_step_and_state_dict(impl):
+    """A key halfadam does not keep: refused by name at the step and by ``state_dict()`` (whose result
+    ``load_state_dict`` would refuse), before anything changes; removed, both work again."""
+    p, opt = _stepped("fp32", impl)
+    opt.state[p]["mine"] = torch.ones(3)
+    _refused(opt, [p], PLACE + r": its state's keys are not those of an encoding \(unexpected \['mine'\]\)",
+             opt.step, opt.state_dict)
+    del opt.state[p]["mine"]
+    opt.load_state_dict(opt.state_dict())
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_a_state_tensor_that_requires_grad_is_taken_as_its_values(mode, impl):
+    """A leaf that requires grad, and a non-leaf with its graph, put in the state: every implementation
+    steps from their values (as from ``copy_``), keeps no tensor that requires grad, and leaves the
+    user's tensors and graph as they were."""
+    def run(replace):
+        p, opt = _stepped(mode, impl, lr=1e-2)
+        leaf = (opt.state[p]["exp_avg"] * 2).requires_grad_()  # the moments' dtype: float32, or bfloat16
+        graph = leaf * leaf  # a non-leaf (its grad_fn holds the graph), >= 0: a second moment
+        if replace:
+            opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"] = leaf, graph
+        else:
+            opt.state[p]["exp_avg"].copy_(leaf.detach())
+            opt.state[p]["exp_avg_sq"].copy_(graph.detach())
+        kept = leaf.detach().clone(), graph.detach().clone()
+        p.grad = torch.full_like(p, 0.25)
+        opt.step()
+        assert not any(v.requires_grad for v in opt.state[p].values())
+        assert torch.equal(leaf.detach(), kept[0]) and torch.equal(graph.detach(), kept[1])
+        graph.sum().backward()
+        assert torch.equal(leaf.grad, 2 * leaf.detach())
+        return p, opt.state[p]
+
+    (p, st), (q, ref) = run(True), run(False)
+    assert torch.equal(p, q) and st.keys() == ref.keys() and all(torch.equal(st[k], ref[k]) for k in st)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+def test_a_state_dict_shared_by_two_parameters_is_an_error_naming_both(impl):
+    """``opt.state[p1] = opt.state[p2]``: a ValueError naming both parameters at the step (and at
+    ``state_dict()``, ``sync_master_weights()``), before anything changes."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 256).bfloat16()) for _ in range(2)]
+    opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[0]] = opt.state[params[1]]
+    _refused(opt, params, r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] share one "
+             r"state dict", opt.step, opt.state_dict, opt.sync_master_weights)
+
+
+WRITTEN = {
+    "a user's key": lambda opt, a, b: opt.state[a].__setitem__("mine", torch.ones(3)),
+    "a deleted key": lambda opt, a, b: opt.state[a].pop("exp_avg_sq"),
+    "the meta device": lambda opt, a, b: opt.state[a].__setitem__("exp_avg", torch.empty(4, 256, device="meta")),
+    "a shared dict": lambda opt, a, b: opt.state.__setitem__(a, opt.state[b]),
+}
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+@pytest.mark.parametrize("written", list(WRITTEN))
+def test_load_state_dict_replaces_a_state_written_into_another_form(written, impl):
+    """``load_state_dict`` over a state that no rule reads replaces it (as torch's load replaces every
+    state): the loaded values, and the next step, are those of a fresh optimizer loading the same dict."""
+    def made():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 256).bfloat16()) for _ in range(2)]
+        return params, halfadam.AdamW(params, lr=1e-2, implementation=impl)
+
+    def stepped(params, opt, seed):
+        for k, p in enumerate(params):
+            p.grad = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed + k)).bfloat16()
+        opt.step()
+
+    params, opt = made()
+    stepped(params, opt, 0)
+    saved = {"state": {k: {n: v.clone() for n, v in st.items()} for k, st in opt.state_dict()["state"].items()},
+             "param_groups": opt.state_dict()["param_groups"]}
+    stepped(params, opt, 2)
+    WRITTEN[written](opt, *params)
+    opt.load_state_dict(saved)
+    fresh_params, fresh = made()
+    fresh.load_state_dict(saved)
+    with torch.no_grad():  # the model as the fresh one (the load restores the optimizer only)
+        for p, q in zip(params, fresh_params):
+            p.copy_(q)
+    values = lambda o, ps: [(_bits(p), {k: _bits(v) for k, v in o.state[p].items()}) for p in ps]  # noqa: E731
+    assert values(opt, params) == values(fresh, fresh_params)
+    stepped(params, opt, 4)
+    stepped(fresh_params, fresh, 4)
+    assert values(opt, params) == values(fresh, fresh_params)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+def test_a_bad_state_in_a_later_group_changes_no_earlier_group(impl):
+    """Every group's states are checked before any group steps: a state tensor of another shape in
+    ``param_groups[1]`` leaves ``param_groups[0]`` as it was too."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 256).bfloat16()) for _ in range(2)]
+    opt = halfadam.AdamW([{"params": [params[0]]}, {"params": [params[1]]}], lr=1e-2, implementation=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[1]]["exp_avg"] = torch.zeros(2, 256)
+    _refused(opt, params, r"param_groups\[1\]\['params'\]\[0\]: its state\['exp_avg'\] has shape \(2, 256\)")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -526,3 +723,87 @@ def test_a_group_value_written_by_hand_is_checked_at_the_step():
 def test_scaler_device_and_enabled_are_checked(kw, exc, match):
     with pytest.raises(exc, match=match):
         halfadam.GradScaler(**kw)
+
+
+# ------------------------------------------------------------------------ a DTensor parameter's state
+def _local_bits(p, opt):
+    """The bits of ``p``'s local shard and of every state value's (a DTensor's local shard)."""
+    from halfadam.distributed import is_dtensor
+
+    def bits(v):
+        return _bits(v.to_local() if is_dtensor(v) else v)
+
+    return [bits(p)] + [(k, type(v).__name__, bits(v)) for k, v in opt.state[p].items()]
+
+
+def _shard_worker(rank, world, out):
+    """On each rank: a bf16 (8, 256) DTensor parameter sharded by rows; its state key replaced by a plain
+    tensor of the whole shape, a DTensor replicated, and a plain tensor of this rank's shard."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from halfadam.distributed import is_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for mode, key, impl in (("fp32", "exp_avg_sq", "cpp"), ("fp32", "exp_avg_sq", "reference"),
+                            ("compact", "exp_avg_scale", "cpp")):
+        def stepped():
+            torch.manual_seed(0)
+            p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 256).bfloat16(), mesh, [Shard(0)]))
+            opt = halfadam.AdamW([p], lr=1e-2, state_mode=mode, implementation=impl)
+            p.grad = distribute_tensor(torch.randn(8, 256).bfloat16(), mesh, [Shard(0)])
+            opt.step()
+            return p, opt
+
+        r = {}
+        p, opt = stepped()
+        own = opt.state[p][key]
+        whole = torch.rand(own.shape).to(own.dtype)
+        for case, value in (("whole", whole), ("replicated", distribute_tensor(whole, mesh, [Replicate()]))):
+            opt.state[p][key] = value
+            before = _local_bits(p, opt)
+            try:
+                opt.step()
+                r[case] = "stepped"
+            except Exception as exc:  # noqa: BLE001 - recorded: the test says what it was
+                r[case] = f"{type(exc).__name__}: {exc}"
+            r[case + " unchanged"] = _local_bits(p, opt) == before
+            opt.state[p][key] = own
+        (a, opt_a), (b, opt_b) = stepped(), stepped()
+        shard = whole[rank * own.shape[0] // world:(rank + 1) * own.shape[0] // world]
+        opt_a.state[a][key] = shard.clone()  # this rank's shard, as a plain tensor
+        opt_b.state[b][key].to_local().copy_(shard)
+        for q in (a, b):
+            q.grad = distribute_tensor(torch.ones(8, 256).bfloat16(), mesh, [Shard(0)])
+        opt_a.step()
+        opt_b.step()
+        r["shard kept sharded"] = is_dtensor(opt_a.state[a][key]) and opt_a.state[a][key].placements == a.placements
+        r["shard as in place"] = _local_bits(a, opt_a) == _local_bits(b, opt_b)
+        results[(mode, key, impl)] = r
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+@needs_gloo
+@pytest.mark.distributed
+def test_a_dtensor_parameters_state_is_checked_against_its_shard(tmp_path):
+    """FSDP2 (2 gloo ranks, rows sharded): a plain tensor of the parameter's whole shape in place of a
+    state shard, or a DTensor placed otherwise, is a ValueError naming the parameter, the key and the
+    shapes, before anything changes (it passed the shape check and the C++ kernel failed); a plain
+    tensor of this rank's shard is taken as the shard, kept as a DTensor sharded like the parameter."""
+    import halfadam.distributed as hd
+
+    hd.launch(_shard_worker, 2, str(tmp_path), timeout_s=120)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for (mode, key, impl), r in results.items():
+            shape, local = ((8, 256), (4, 256)) if key == "exp_avg_sq" else ((8, 2), (4, 2))
+            where = "ValueError: param_groups[0]['params'][0]: its state"
+            assert r["whole"] == (f"{where}['{key}'] has shape {shape}, where this state mode keeps {local} (this "
+                                  f"rank's shard of the DTensor parameter; or a DTensor sharded like it)"), (mode, impl)
+            assert r["replicated"].startswith(f"{where}['{key}'] is a DTensor of placements (Replicate(),), where "
+                                              f"the parameter is a DTensor of placements (Shard(dim=0),)"), (mode, impl)
+            assert r["whole unchanged"] and r["replicated unchanged"], (mode, impl)
+            assert r["shard kept sharded"] and r["shard as in place"], (mode, impl)

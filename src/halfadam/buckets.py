@@ -185,7 +185,7 @@ class Bucket:
         """Point ``state`` (parameter ``i``'s state dict) at views of the flat buffers.
 
         Values already present in ``state`` (for example loaded by ``load_state_dict``, or put there by
-        the user; of the views' shapes: :meth:`halfadam.state.ParamStates.check_shape`) are copied into
+        the user; of the views' shapes: :meth:`halfadam.state.ParamStates.check_state`) are copied into
         the buffers first; missing ones are initialised (master from the parameter, zero moments,
         remainders and step).
         """
@@ -206,12 +206,13 @@ class Bucket:
         self._attached[i] = tuple(state[key] for key in self._keys)
 
     def is_attached(self, state: dict, i: int) -> bool:
-        """Whether every key of ``state`` is still the view :meth:`attach` put there: none replaced by a
-        load (``ZeroRedundancyOptimizer.load_state_dict`` puts new dicts) or by the user
-        (``opt.state[p]["exp_avg_sq"] = torch.zeros_like(...)``), whose value the next step then starts
-        from. By identity: checked every step for every parameter."""
+        """Whether every key of ``state`` is still the view :meth:`attach` put there, and ``state`` holds
+        no other: none replaced by a load (``ZeroRedundancyOptimizer.load_state_dict`` puts new dicts) or
+        by the user (``opt.state[p]["exp_avg_sq"] = torch.zeros_like(...)``), whose value the next step
+        then starts from, none deleted or added. By identity: checked every step for every parameter."""
         attached = self._attached[i]
-        return attached is not None and all(map(operator.is_, map(state.get, self._keys), attached))
+        return (attached is not None and len(state) == len(attached)
+                and all(map(operator.is_, map(state.get, self._keys), attached)))
 
     def grad_buffer(self, dtype: torch.dtype) -> Tensor:
         """A flat scratch buffer of ``dtype`` for gathering this bucket's gradients (padding stays zero)."""

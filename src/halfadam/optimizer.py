@@ -216,7 +216,11 @@ class _AdamBase(torch.optim.Optimizer):
         :meth:`master_weight`, :meth:`state_dict` and :meth:`master_state_dict` before they read the
         masters, so calling this is never required; it is for code that reads
         ``optimizer.state[p]["master_weight"]`` directly.
+
+        Raises:
+            ValueError: as :meth:`step`, for a state that another shares or that no rule reads.
         """
+        self._states.check_shared()
         for group in self.param_groups:
             for p in group["params"]:
                 if self.state.get(p):
@@ -297,7 +301,8 @@ class _AdamBase(torch.optim.Optimizer):
             ValueError: a gradient whose shape or device differs from its parameter's; a key of
                 ``grads`` that is not a parameter of this optimizer (``p.detach()``, ``p.data``); a
                 parameter whose elements share memory; a learning rate or weight decay (fixed or from
-                a schedule) that is negative, nan or inf.
+                a schedule) that is negative, nan or inf; a parameter's state that another shares, or that
+                no rule reads (resized since, written by hand: :meth:`halfadam.state.ParamStates.check_state`).
         """
         loss = None
         if closure is not None:
@@ -309,9 +314,10 @@ class _AdamBase(torch.optim.Optimizer):
             if found_inf.item() != 0:
                 return loss
             found_inf = None
-        for group, hp, after, pairs in plan:
+        work = [self._states.sort(group, pairs) for group, _, _, pairs in plan]  # every state checked, then a step
+        for (group, hp, after, pairs), sorted_pairs in zip(plan, work):
             if pairs:
-                self._run_group(group, pairs, hp, grad_scale, found_inf)
+                self._run_group(group, sorted_pairs, hp, grad_scale, found_inf)
         for group, hp, after, pairs in plan:  # the schedules move once every group has stepped
             group["global_step"] += 1
             group.update((k, v) for k, v in after.items() if v is not None)
@@ -319,10 +325,10 @@ class _AdamBase(torch.optim.Optimizer):
         return loss
 
     def _plan(self, grads: Optional[Mapping], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> list:
-        """Check a step's arguments, gradients, state shapes and scheduled values, before anything
-        changes; one ``(group, hp, after, pairs)`` per group: the hyperparameters of this step,
-        those ``group`` shows after it (``after``: the next step's scheduled values) and its
-        ``(param, grad)`` pairs. Raises the errors :meth:`step` lists."""
+        """Check a step's arguments, gradients and scheduled values, before anything changes (the
+        states: :meth:`halfadam.state.ParamStates.sort`); one ``(group, hp, after, pairs)`` per group:
+        the hyperparameters of this step, those ``group`` shows after it (``after``: the next step's
+        scheduled values) and its ``(param, grad)`` pairs. Raises the errors :meth:`step` lists."""
         if grads is not None and not isinstance(grads, Mapping):
             raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
         for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
@@ -348,7 +354,6 @@ class _AdamBase(torch.optim.Optimizer):
                 matched += len(pairs)
             pairs = [pg for pg in pairs if pg[1] is not None]
             check_pairs(pairs, group["params"], where)
-            self._states.check_shapes(group, pairs)
             if self.capturable:
                 check_capturable(pairs, group["params"], where, lambda p: self._states.use_master(p, group))
             beta1, beta2 = group["betas"]
@@ -361,7 +366,7 @@ class _AdamBase(torch.optim.Optimizer):
         return plan
 
     @torch.compiler.disable
-    def _run_group(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]], hp: Hyperparameters,
+    def _run_group(self, group: Dict[str, Any], work: tuple, hp: Hyperparameters,
                    grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
         """Dispatch one group's step: buckets to the flat path, everything else to the reference.
 
@@ -371,12 +376,7 @@ class _AdamBase(torch.optim.Optimizer):
         the update runs halfadam's own kernels, called through a graph break, so it is the same
         update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
         """
-        layout = None if self.implementation == "reference" else self._states.group_layout(group)
-        sorted_pairs = self._states.sort_pairs(group, pairs, layout)
-        if sorted_pairs is None:  # a parameter changed dtype, device or requires_grad since the layout was built
-            layout = self._states.group_layout(group, rebuild=True)
-            sorted_pairs = self._states.sort_pairs(group, pairs, layout)
-        per_bucket, rest, new = sorted_pairs
+        layout, (per_bucket, rest, new) = work  # ParamStates.sort
         self._states.init_group(group, new)
         for bucket in () if layout is None else layout.buckets:
             items = per_bucket.get(id(bucket))

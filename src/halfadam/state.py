@@ -6,28 +6,41 @@ weights, ``master_weight``; other state modes store encodings (:mod:`halfadam.en
 decides which keys and dtypes a parameter gets (:meth:`ParamStates.element_dtypes`), makes them
 (:meth:`ParamStates.init_group`: views into a group's flat buckets, :mod:`halfadam.buckets`, or
 tensors of their own), and keeps them fitting the parameter when it changes between steps: a new
-dtype or device (:meth:`ParamStates.conform`), a new shape (:meth:`ParamStates.check_shape`), a new
-set of parameters (:meth:`ParamStates.group_layout`). The optimizer asks it for a step's work
-(:meth:`ParamStates.sort_pairs`) and for masters (:meth:`ParamStates.synced_master`).
+dtype or device (:meth:`ParamStates.conform`), a new shape (:meth:`ParamStates.check_state`), a new
+set of parameters (:meth:`ParamStates.group_layout`); and it checks what a user or a load wrote into a
+state (:meth:`ParamStates.check_state`, :meth:`ParamStates.check_shared`) and takes it in
+(:meth:`ParamStates.adopt`). The optimizer asks it for a step's work (:meth:`ParamStates.sort_pairs`)
+and for masters (:meth:`ParamStates.synced_master`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import encodings
-from ._dtensor import flat_offset, like_param, local, row_sharded
+from ._dtensor import flat_offset, is_dtensor, like_param, like_rows, local, row_sharded
 from .buckets import Bucket, bucket_key, build_buckets
 from .functional import sync_master_
 
-__all__ = ["HALF_DTYPES", "ParamStates", "check_row_shards"]
+__all__ = ["HALF_DTYPES", "REMAINDER_DTYPE", "ParamStates", "check_row_shards"]
 
 #: The parameter dtypes that get a master weight by default (``master_weights=None``).
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+#: The state_dict key (per parameter with a split master) naming the parameter dtype its remainders are
+#: in units of, ``{"float16": 1}`` or ``{"bfloat16": 1}`` (they mean nothing over another dtype): a dict of
+#: a number, as ``flatten_optimizer_state_dict=True`` of ``torch.distributed.checkpoint.state_dict`` needs
+#: (releases up to 673f2dc wrote the name as a str; it loads). ``ZeroRedundancyOptimizer.load_state_dict``
+#: puts entries into the state as they are: :meth:`ParamStates.check_state` lets it pass, and
+#: :meth:`ParamStates.adopt` drops it.
+REMAINDER_DTYPE = "remainder_dtype"
 
 
 class ParamStates:
@@ -69,21 +82,42 @@ class ParamStates:
         ea = state.get("exp_avg")
         if ea is None or ea.device != param.device or self.dtypes.get(id(param), param.dtype) != param.dtype:
             return False
-        if encodings.is_labelled(state):  # a labelled state_dict entry, as it was loaded (unlabel)
+        if encodings.is_labelled(state) or _foreign(param, state):  # adopt() takes it in first
             return False
         expected = self.element_dtypes(param, group)
         present = [k for k in encodings.ELEMENT_KEYS if k in state]
         return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
 
-    def unlabel(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
-        """Put the step count of a labelled state_dict entry that was put into ``state`` as it is
-        (``ZeroRedundancyOptimizer.load_state_dict`` does) back in ``step`` (:func:`encodings.unlabel_`).
+    def adopt(self, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
+        """Take what a load or the user put into ``state`` into the optimizer's own form, values kept
+        (:meth:`check_state` has passed them): the step count of a labelled state_dict entry put there
+        as it is (``ZeroRedundancyOptimizer.load_state_dict`` does) back in ``step``
+        (:func:`encodings.unlabel_`), its :data:`REMAINDER_DTYPE` dropped (the parameter's dtype says
+        it); a Python number ``step`` as a 0-d float32 tensor; a tensor that requires grad (a leaf, or
+        a non-leaf and its graph) as a detached copy, the user's tensor left as it is (the kernels copy
+        every value into their buffers likewise); a plain tensor in a DTensor parameter's state (its
+        local shard's shape) as a DTensor sharded like the parameter.
 
         Raises:
             ValueError: a label this version does not read (named by the parameter's place).
         """
         if state and encodings.is_labelled(state):
             encodings.unlabel_(state, self.place(param, group))
+        if not state or not _foreign(param, state):
+            return
+        state.pop(REMAINDER_DTYPE, None)
+        shard = tuple(local(param).shape)
+        for key, v in list(state.items()):
+            if key == "step" and _is_count(v):
+                state[key] = torch.tensor(float(v), dtype=torch.float32)
+            elif isinstance(v, Tensor):
+                if v.requires_grad:
+                    v = state[key] = v.detach().clone()
+                block = encodings.is_block_key(key)
+                if key != "step" and is_dtensor(param) and not is_dtensor(v) and (  # this rank's shard
+                        v.shape == (encodings.block_shape(shard) if block else shard)):
+                    state[key] = like_rows(v, param, encodings.block_shape(tuple(param.shape))) if block else \
+                        like_param(v, param)
 
     def place(self, param: Tensor, group: Dict[str, Any]) -> str:
         """``param``'s place in the optimizer, for messages: ``param_groups[0]['params'][3]``."""
@@ -93,9 +127,9 @@ class ParamStates:
 
     def attach(self, loc: Tuple[Any, int], param: Tensor, state: dict, group: Dict[str, Any]) -> None:
         """``state`` pointed at its bucket's views (``loc``: the bucket and the index in it), the values it
-        holds copied in (:meth:`halfadam.buckets.Bucket.attach`) once :meth:`check_shape` has found them
+        holds copied in (:meth:`halfadam.buckets.Bucket.attach`) once :meth:`check_state` has found them
         of their views' shapes."""
-        self.check_shape(param, group)
+        self.check_state(param, group)
         loc[0].attach(state, loc[1])
         self.dtypes[id(param)] = param.dtype
 
@@ -190,49 +224,70 @@ class ParamStates:
         since: ``p.data = torch.randn(...)`` of a new size between steps); else ``None``."""
         state = self.state.get(param)
         exp_avg = state.get("exp_avg") if state else None
-        return None if exp_avg is None or exp_avg.shape == param.shape else tuple(exp_avg.shape)
+        return None if not isinstance(exp_avg, Tensor) or _param_shaped(exp_avg, param) else tuple(exp_avg.shape)
 
-    def check_shape(self, param: Tensor, group: Dict[str, Any]) -> None:
-        """ValueError when ``param``'s state was made for another shape (:meth:`stale_shape`): it does
-        not fit the parameter, and no rule makes it fit; or when one of its tensors, replaced by hand,
-        has another shape than the state mode keeps (the parameter's, or its block shape)."""
-        made = self.stale_shape(param)
-        state = self.state.get(param) or {}
-        v = state.get("exp_avg_sq")
-        if made is None or (isinstance(v, Tensor) and v.shape == param.shape):  # not resized: a key replaced?
-            blocks = encodings.block_shape(param.shape) if encodings.has_rows(param.shape) else None
-            for key in encodings.ELEMENT_KEYS + encodings.BLOCK_KEYS:
-                shape = param.shape if key in encodings.ELEMENT_KEYS else blocks
-                if shape is not None and isinstance(state.get(key), Tensor) and state[key].shape != shape:
-                    raise ValueError(f"{self.place(param, group)}: its state[{key!r}] has shape "
-                                     f"{tuple(state[key].shape)}, where this state mode keeps {tuple(shape)}")
+    def check_state(self, param: Tensor, group: Dict[str, Any]) -> None:
+        """ValueError naming ``param`` (its place) where its state cannot be stepped as it is; nothing changes.
+
+        Its state was made for another shape (:meth:`stale_shape`): the parameter was resized since, and
+        no rule makes the state fit. Or it was written (``opt.state[p][key] = ...``, ``del``, a load that
+        puts entries as they are) into a form no rule reads:
+
+        * a key missing (no moment restarts silently), or one of no encoding (a user's own: the
+          ``state_dict()`` holding it would not load); a value that is no tensor, or a moment of no
+          encoding's form (:func:`halfadam.encodings.format_of`);
+        * a tensor on the meta device (no values), or of another shape than the state mode keeps
+          (the parameter's, or its block shape; for a DTensor parameter a DTensor's whole shape, a
+          plain tensor's that of this rank's shard), or a DTensor sharded otherwise than the parameter;
+        * a ``step`` that is neither a 1-element tensor nor a whole number >= 0.
+
+        What passes is taken in as it is, or by :meth:`adopt` (a Python number ``step``, a tensor
+        requiring grad, a DTensor parameter's local shard); another dtype or device, by :meth:`conform`.
+        """
+        state = self.state.get(param)
+        if not state:
             return
-        raise ValueError(
-            f"{self.place(param, group)} has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, "
-            f"master) was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
-            f"fresh state for it (step 0, zero moments, the master from its new value), remove its state first: "
-            f"del optimizer.state[p]; or give it back its shape {made}")
+        where = functools.partial(self.place, param, group)
+        if encodings.is_labelled(state):  # a state_dict entry put there as it is: checked as adopt() reads it
+            state = encodings.unlabelled(state, where())
+        _check_keys(state, where)
+        made = self.stale_shape(param)
+        if made is not None and not _param_shaped(state["exp_avg_sq"], param):  # not a key replaced: resized
+            raise ValueError(
+                f"{where()} has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, master) "
+                f"was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
+                f"fresh state for it (step 0, zero moments, the master from its new value), remove its state "
+                f"first: del optimizer.state[p]; or give it back its shape {made}")
+        _check_tensors(state, param, where)
+        step = state["step"]
+        if not (step.numel() == 1 and not step.is_meta if isinstance(step, Tensor) else _is_count(step)):
+            raise ValueError(f"{where()}: its state['step'] must be a 1-element tensor or a whole number >= 0 "
+                             f"(the steps taken), got {step!r}")
 
-    def check_shapes(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]]) -> None:
-        """:meth:`check_shape` for a step's ``pairs``, cheaply: a bucketed parameter of its
-        bucket's shape has state of that shape (the bucket's views). A bucketed parameter whose shape
-        changed and passes (its state was deleted) drops the group's layout, to be rebuilt around it."""
-        layout = self.layouts.get(id(group))
-        where_ = {} if layout is None else layout.where
-        for p, _ in pairs:
-            loc = where_.get(id(p))
-            if loc is None or loc[0].shapes[loc[1]] != p.shape:
-                self.check_shape(p, group)
-                if loc is not None:
-                    self.layouts.pop(id(group), None)
+    def check_shared(self) -> None:
+        """ValueError naming two parameters whose state is one dict (``opt.state[p1] = opt.state[p2]``):
+        a step would update it with both parameters' gradients."""
+        seen: Dict[int, Tuple[Tensor, Dict[str, Any]]] = {}
+        states = self.state
+        for group in self.owner.param_groups:
+            for p in group["params"]:
+                state = states.get(p)
+                if state is not None and seen.setdefault(id(state), (p, group))[0] is not p:
+                    raise ValueError(
+                        f"{self.place(*seen[id(state)])} and {self.place(p, group)} share one state dict "
+                        f"(optimizer.state[p1] = optimizer.state[p2]?): a step would update it with both "
+                        f"parameters' gradients. Give each its own: optimizer.state[p1] = "
+                        f"{{k: v.clone() for k, v in optimizer.state[p2].items()}}, or del optimizer.state[p1] "
+                        f"to restart its state")
 
     def init(self, param: Tensor, group: Dict[str, Any]) -> dict:
         """Parameter ``param``'s state, initialised if empty and conformed to its dtype and device.
 
         Raises:
-            ValueError: the state was made for another shape of ``param`` (:meth:`check_shape`).
+            ValueError: the state was made for another shape of ``param``, or written into a form no
+                rule reads (:meth:`check_state`).
         """
-        self.check_shape(param, group)
+        self.check_state(param, group)
         state = self.state[param]
         if not state or not self.fits(param, state, group):
             self.init_group(group, [param])
@@ -251,7 +306,7 @@ class ParamStates:
         layout = self.group_layout(group) if self.owner.implementation != "reference" else None
         for param in group["params"] if params is None else params:
             state = self.state[param]
-            self.unlabel(param, state, group)
+            self.adopt(param, state, group)
             if state and not self.fits(param, state, group):
                 self.conform(param, state, group)
             loc = None if layout is None else layout.where.get(id(param))
@@ -298,13 +353,30 @@ class ParamStates:
             state = self.state.get(p)
             if not state or self.stale_shape(p) is not None:  # none, or made for an old shape: its next use raises
                 continue
-            self.unlabel(p, state, group)
+            self.adopt(p, state, group)
             if not self.fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
             loc = layout.where.get(id(p))
             if loc is not None:
                 self.attach(loc, p, state, group)
         return layout
+
+    @torch.compiler.disable
+    def sort(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]]) -> Optional[tuple]:
+        """A step's work for ``group``, before any group steps: ``(layout, (per_bucket, rest, new))``
+        (:meth:`sort_pairs`; the group's buckets, rebuilt where a parameter changed since), or ``None``
+        for no ``pairs``. Never traced by an outer ``torch.compile`` (buckets are built here).
+
+        Raises:
+            ValueError: a state :meth:`sort_pairs` checks."""
+        if not pairs:
+            return None
+        layout = None if self.owner.implementation == "reference" else self.group_layout(group)
+        sorted_pairs = self.sort_pairs(group, pairs, layout)
+        if sorted_pairs is None:  # a parameter changed dtype, device, shape or requires_grad since the layout was built
+            layout = self.group_layout(group, rebuild=True)
+            sorted_pairs = self.sort_pairs(group, pairs, layout)
+        return layout, sorted_pairs
 
     def sort_pairs(self, group: Dict[str, Any], pairs: List[Tuple[Tensor, Tensor]],
                    layout: Optional["_GroupLayout"]) -> Optional[tuple]:
@@ -313,27 +385,38 @@ class ParamStates:
         ``per_bucket``: id(bucket) -> ``(index in the bucket, grad)`` pairs; ``rest``: the pairs of
         parameters outside every bucket; ``new``: the parameters whose state must be made (or
         conformed to a new dtype/device). ``None`` when the layout no longer fits a parameter (its
-        dtype or device changed, or it was unfrozen or converted into a bucket's kind).
+        dtype, device or shape changed, or it was unfrozen or converted into a bucket's kind). The
+        states the step reads as they are, those outside the buckets and those a bucket did not put
+        there (written or loaded since), are checked (:meth:`check_state`, :meth:`check_shared`).
         """
         per_bucket: Dict[int, List[Tuple[int, Tensor]]] = {}
-        rest, new = [], []
+        rest, new, read = [], [], False
         where = {} if layout is None else layout.where
         states = self.state  # the owner's, looked up once: this loop runs every step over every parameter
         for p, g in pairs:
-            state = states[p]
+            state = states.get(p)  # not states[p]: a failed check adds no empty entry
             loc = where.get(id(p))
             if loc is None:
                 if layout is not None and bucket_key(p, self.use_master(p, group)) is not None:
                     return None
                 rest.append((p, g))
+                if state:  # checked before fits() reads it
+                    self.check_state(p, group)
+                    read = True
                 if not state or not self.fits(p, state, group):
                     new.append(p)
-            elif _moved(p, loc, shape=False):  # shape changes: the step's validation dropped the layout
+            elif _moved(p, loc):
+                self.check_state(p, group)  # its shape changed: its state made for the old one?
                 return None
             else:
-                if not state or not loc[0].is_attached(state, loc[1]):  # none, or replaced (ZeRO's load)
+                if not state or not loc[0].is_attached(state, loc[1]):  # none, or replaced (the user, ZeRO's load)
                     new.append(p)
+                    if state:
+                        self.check_state(p, group)
+                        read = True
                 per_bucket.setdefault(id(loc[0]), []).append((loc[1], g))
+        if read:  # of two parameters sharing a state dict, one has it as no bucket put it
+            self.check_shared()
         return per_bucket, rest, new
 
     @torch.no_grad()
@@ -372,12 +455,108 @@ def check_row_shards(groups: List[Dict[str, Any]], state_format: encodings.State
                         f"Shard(0)), or use state_mode='fp32' or bfloat16 moments without split masters")
 
 
-def _moved(param: Tensor, loc: Tuple[Bucket, int], shape: bool = True) -> bool:
-    """Whether ``param`` changed dtype, device or (with ``shape``) shape since it was placed in bucket
-    ``loc[0]``."""
+#: The keys a state may hold (besides user keys: none): ``step``, every encoding's, and :data:`REMAINDER_DTYPE`.
+_KNOWN = {"step", REMAINDER_DTYPE, *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
+#: Keys a state may hold besides its encoding's: :data:`REMAINDER_DTYPE`, and a moment's per-block scale
+#: left by a moment put there as floats (read as floats and encoded: the scale is dropped).
+_LEFTOVERS = {REMAINDER_DTYPE, *(k for k in encodings.BLOCK_KEYS + encodings.LEGACY_BLOCK_KEYS if k != "master_tie")}
+
+
+def _check_keys(state: dict, where: Callable[[], str]) -> None:
+    """ValueError (named ``where()``) where ``state`` holds a key of no encoding (a user's), lacks
+    ``step``, a moment or a key its encoding needs, holds another encoding's key (but the per-block
+    scale of a moment given as floats in place of its codes, which conversion drops), a value other
+    than ``step``'s that is no tensor, or a moment of no encoding's form (:func:`halfadam.encodings.format_of`)."""
+    for key, value in state.items():
+        if key in _KNOWN and key not in ("step", REMAINDER_DTYPE) and not isinstance(value, Tensor):
+            raise ValueError(f"{where()}: its state[{key!r}] must be a tensor, got {type(value).__name__}")
+    dtypes = (state[k].dtype if k in state else None for k in ("exp_avg", "exp_avg_sq"))
+    problem = _keys_problem(frozenset(state), *dtypes)
+    if problem:
+        raise ValueError(f"{where()}: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _keys_problem(keys: frozenset, exp_avg: Optional[torch.dtype], exp_avg_sq: Optional[torch.dtype]) -> Optional[str]:
+    """:func:`_check_keys`' finding for a state of ``keys`` whose moments have these dtypes, or ``None``
+    (cached: a step checks the same few key sets over and over)."""
+    fmt, extra = None, sorted(keys - _KNOWN)
+    missing = [] if extra else [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in keys]
+    if not (extra or missing):
+        try:  # format_of reads the keys and the moments' dtypes
+            fmt = encodings.format_of({**dict.fromkeys(keys), "exp_avg": torch.empty(0, dtype=exp_avg),
+                                       "exp_avg_sq": torch.empty(0, dtype=exp_avg_sq)})
+        except ValueError as exc:
+            return str(exc)
+        master = fmt.master != "fp32" or "master_weight" in keys
+        expected = {"step", *encodings.element_keys(fmt, master), *encodings.block_keys(fmt, master)}
+        missing, extra = sorted(expected - keys), sorted(keys - expected - _LEFTOVERS)
+    if not (missing or extra):
+        return None
+    hint = ("a key deleted leaves the step nothing to start from, and no moment restarts silently: write its "
+            "value instead" if missing else "another encoding's key: give that whole encoding, or write this "
+            "one's" if fmt else "halfadam keeps only its own keys in optimizer.state[p] (load_state_dict refuses "
+            "others, so state_dict() would not load back): keep your own data elsewhere")
+    found = "; ".join(f"{what} {names}" for what, names in (("missing", missing), ("unexpected", extra)) if names)
+    return (f"its state's keys are not those of {'its encoding, ' + fmt.describe() if fmt else 'an encoding'} "
+            f"({found}): {hint}; or restart this parameter's state: del optimizer.state[p]")
+
+
+def _check_tensors(state: dict, param: Tensor, where: Callable[[], str]) -> None:
+    """ValueError (named ``where()``) for a tensor of ``state`` (but ``step``) on the meta device, a DTensor
+    sharded otherwise than ``param``, or of another shape than the state mode keeps: the parameter's (a
+    plain tensor in a DTensor parameter's state: its local shard's), or its block shape for a per-block
+    key of a parameter with rows."""
+    sharded, shapes = is_dtensor(param), {}  # whole or not: (element shape, block shape or None)
+    for key, t in state.items():
+        if key == "step" or not isinstance(t, Tensor):
+            continue
+        whole = is_dtensor(t)
+        if (t.to_local() if whole else t).is_meta:
+            problem = f"is on the meta device (no values): give a tensor on {local(param).device}"
+        elif whole and not (sharded and t.placements == param.placements):
+            problem = (f"is a DTensor of placements {t.placements}, where the parameter is "
+                       f"{'a DTensor of placements ' + str(param.placements) if sharded else 'a plain tensor'}: "
+                       f"its state is sharded like it")
+        else:
+            if whole not in shapes:  # a plain tensor in a DTensor parameter's state: its local shard's
+                shape = tuple((param if whole or not sharded else local(param)).shape)
+                shapes[whole] = shape, encodings.block_shape(shape) if encodings.has_rows(tuple(param.shape)) else None
+            shape = shapes[whole][encodings.is_block_key(key)]
+            if shape is None or t.shape == shape or key in encodings.LEGACY_BLOCK_KEYS:
+                continue  # None: blocks over the flat parameter (checkpoints before 2026-12-01); an old release's codes
+            problem = f"has shape {tuple(t.shape)}, where this state mode keeps {shape}" + (
+                " (this rank's shard of the DTensor parameter; or a DTensor sharded like it)" if sharded and not whole
+                else "")
+        raise ValueError(f"{where()}: its state[{key!r}] {problem}")
+
+
+def _is_count(step: Any) -> bool:
+    """Whether ``step`` is a Python number that counts steps: a whole number >= 0 (not a bool)."""
+    return (isinstance(step, numbers.Real) and not isinstance(step, bool) and math.isfinite(step) and step >= 0
+            and step == int(step))
+
+
+def _param_shaped(t: Tensor, param: Tensor) -> bool:
+    """Whether state tensor ``t`` has ``param``'s shape: its whole shape, or, a plain tensor in a DTensor
+    parameter's state, that of this rank's shard (:meth:`ParamStates.adopt` makes it one)."""
+    return t.shape == (local(param).shape if is_dtensor(param) and not is_dtensor(t) else param.shape)
+
+
+def _foreign(param: Tensor, state: dict) -> bool:
+    """Whether :meth:`ParamStates.adopt` changes ``state``: a ``step`` that is no tensor, a
+    :data:`REMAINDER_DTYPE`, a tensor that requires grad, a plain tensor (but ``step``) in a DTensor
+    parameter's state."""
+    sharded = is_dtensor(param)
+    return not isinstance(state.get("step"), Tensor) or REMAINDER_DTYPE in state or any(
+        isinstance(v, Tensor) and (v.requires_grad or (sharded and k != "step" and not is_dtensor(v)))
+        for k, v in state.items())
+
+
+def _moved(param: Tensor, loc: Tuple[Bucket, int]) -> bool:
+    """Whether ``param`` changed dtype, device or shape since it was placed in bucket ``loc[0]``."""
     bucket, i = loc
-    return (param.dtype is not bucket.dtype or param.device != bucket.device
-            or (shape and param.shape != bucket.shapes[i]))
+    return param.dtype is not bucket.dtype or param.device != bucket.device or param.shape != bucket.shapes[i]
 
 
 def _converted_exactly(old_dtype: torch.dtype, p: Tensor) -> Tensor:

@@ -48,7 +48,7 @@ import importlib
 import math
 import numbers
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -58,6 +58,7 @@ from torch import Tensor
 from . import encodings, hyperparams
 from ._dtensor import flat_offset, like_param, local
 from .functional import DECAY_MODES
+from .state import REMAINDER_DTYPE
 
 __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
            "load_optimizer_state_dict", "to_torch_state_dict", "master_state_dict"]
@@ -246,13 +247,6 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                 if new is not st:
                     state[pid] = new
     return packed
-
-
-#: The state_dict key (per parameter with a split master) naming the parameter dtype its remainders are
-#: in units of, ``{"float16": 1}`` or ``{"bfloat16": 1}`` (they mean nothing over another dtype): a dict of
-#: a number, as ``flatten_optimizer_state_dict=True`` of ``torch.distributed.checkpoint.state_dict`` needs
-#: (releases up to 673f2dc wrote the name as a str; it loads).
-REMAINDER_DTYPE = "remainder_dtype"
 
 
 def _remainder_dtype(value: Any, where: str) -> Optional[str]:
@@ -625,6 +619,25 @@ def _check_schedules(groups: List[Dict[str, Any]]) -> None:
                     ) from None
 
 
+def _drop_unfillable(optimizer: torch.optim.Optimizer, loads: List[_ParamLoad]) -> None:
+    """Drop the state of each parameter of ``loads`` that the load cannot fill in place, which it then
+    replaces (as torch's load replaces every state): one made for an old shape of the parameter, or written
+    into a form no rule reads (:meth:`halfadam.state.ParamStates.check_state`), or one dict of several."""
+    states = optimizer._states  # type: ignore[attr-defined]
+    holders = Counter(id(optimizer.state.get(load.param)) for load in loads)
+    for load in loads:
+        state = optimizer.state.get(load.param)
+        if not state:
+            continue
+        try:
+            states.check_state(load.param, optimizer.param_groups[load.group_index])
+            fillable = holders[id(state)] == 1
+        except ValueError:
+            fillable = False
+        if not fillable:
+            optimizer.state.pop(load.param)
+
+
 @torch.no_grad()
 def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
     for group, new in zip(optimizer.param_groups, plan.groups):
@@ -635,11 +648,10 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         group["params"] = params
     for p in plan.clear:
         optimizer.state.pop(p, None)
+    _drop_unfillable(optimizer, plan.loads)
     deferred = []
     for load in plan.loads:
         p, group = load.param, optimizer.param_groups[load.group_index]
-        if optimizer._states.stale_shape(p) is not None:  # type: ignore[attr-defined]
-            optimizer.state.pop(p)  # made for an old shape of the parameter (resized since): the load replaces it
         target = optimizer._states.format(p, group)  # type: ignore[attr-defined]
         if p.dtype != torch.float64 and encodings.has_remainder(load.values) and target.master == "fp32":
             deferred.append(load)
@@ -700,6 +712,9 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
     parameters (a ``UserWarning`` says so: load the model first).
 
     Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
+    A state the load cannot fill in place (made for an old shape of its parameter, written by hand into
+    a form no rule reads, one dict of two parameters: :meth:`halfadam.state.ParamStates.check_state`) is
+    replaced by the loaded one, as torch's load replaces every state.
     A split or split8 master loaded into an fp32-master mode stays a remainder (its moments are
     decoded) until the optimizer's next use of the parameter decodes it against the parameter's value
     then, so the model's weights may be loaded before or after the optimizer's state.
@@ -746,13 +761,14 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
 
     Raises:
         ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay); a
-            parameter resized since its state was made (``p.data = ...`` of another shape).
+            parameter resized since its state was made (``p.data = ...`` of another shape), or a state
+            written into a form no rule reads (:meth:`halfadam.state.ParamStates.check_state`).
     Warns:
         UserWarning: a group with ``optimized_update`` (torch adds eps after bias correction).
     """
-    for group in optimizer.param_groups:  # state made for another shape of its parameter: a ValueError
+    for group in optimizer.param_groups:  # a state no rule reads (made for another shape...): a ValueError
         for p in group["params"]:
-            optimizer._states.check_shape(p, group)  # type: ignore[attr-defined]
+            optimizer._states.check_state(p, group)  # type: ignore[attr-defined]
     packed = torch.optim.Optimizer.state_dict(optimizer)
     halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
     groups = []
