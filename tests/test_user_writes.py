@@ -259,10 +259,10 @@ def test_a_state_tensor_on_the_meta_device_is_an_error_naming_it(mode, impl):
 
 
 @pytest.mark.parametrize("impl", REPLACING)
-@pytest.mark.parametrize("number", [3, 3.0])
+@pytest.mark.parametrize("number", [3, 3.0, torch.tensor(3), torch.tensor([3.0])], ids=str)
 def test_a_python_number_step_is_taken_on_every_implementation(number, impl):
-    """``opt.state[p]["step"] = 3``: every implementation steps from step 3, as from
-    ``opt.state[p]["step"].fill_(3)``, and keeps a 0-d float32 tensor (torch's form)."""
+    """``opt.state[p]["step"] = 3`` (or an int64 or 1-element tensor of 3): every implementation steps from
+    step 3, as from ``opt.state[p]["step"].fill_(3)``, and keeps a 0-d float32 tensor (torch's form)."""
     def run(write):
         p, opt = _stepped("fp32", impl, lr=1e-2)
         write(opt.state[p])
@@ -277,12 +277,16 @@ def test_a_python_number_step_is_taken_on_every_implementation(number, impl):
 
 
 @pytest.mark.parametrize("impl", REPLACING)
-@pytest.mark.parametrize("step", [-1, 2.5, float("nan"), True, None, torch.zeros(2)], ids=str)
+@pytest.mark.parametrize("step", [-1, 2.5, float("nan"), True, None, torch.zeros(2), torch.tensor(float("nan")),
+                                  torch.tensor(-1.0), torch.tensor(2.5), torch.tensor(-3)], ids=str)
 def test_a_step_that_is_no_count_is_an_error_naming_it(step, impl):
-    """A ``step`` no implementation can count from: a ValueError naming the parameter, before anything changes."""
+    """A ``step`` no implementation can count from, a number or a tensor: a ValueError naming the parameter,
+    before anything changes (a tensor of nan, -1 or 2.5 was taken: nan parameters, a ZeroDivisionError or
+    an IndexError after the step had begun, the implementations disagreeing)."""
     p, opt = _stepped("fp32", impl)
     opt.state[p]["step"] = step
-    _refused(opt, [p], PLACE + r": its state\['step'\] must be a 1-element tensor or a whole number >= 0")
+    _refused(opt, [p], PLACE + r": its state\['step'\] must be a 1-element tensor or a number holding a whole "
+                              r"number >= 0")
 
 
 @pytest.mark.parametrize("impl", REPLACING)
@@ -353,6 +357,21 @@ def test_a_state_dict_shared_by_two_parameters_is_an_error_naming_both(impl):
     opt.state[params[0]] = opt.state[params[1]]
     _refused(opt, params, r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] share one "
              r"state dict", opt.step, opt.state_dict, opt.sync_master_weights)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+def test_a_state_dict_shared_by_parameters_of_two_shapes_is_named_as_shared(impl):
+    """``opt.state[b] = opt.state[a]`` for parameters of other shapes: the shared dict is named (not "the
+    parameter was resized since", whose advice would be wrong), before anything changes."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(16).bfloat16())]
+    opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[1]] = opt.state[params[0]]
+    _refused(opt, params, r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] share one "
+             r"state dict", opt.step)
 
 
 WRITTEN = {

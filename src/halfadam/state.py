@@ -110,6 +110,8 @@ class ParamStates:
         for key, v in list(state.items()):
             if key == "step" and _is_count(v):
                 state[key] = torch.tensor(float(v), dtype=torch.float32)
+            elif key == "step" and isinstance(v, Tensor) and (v.dtype != torch.float32 or v.dim() or v.requires_grad):
+                state[key] = v.detach().reshape(()).to(torch.float32, copy=True)  # torch's form: 0-d float32
             elif isinstance(v, Tensor):
                 if v.requires_grad:
                     v = state[key] = v.detach().clone()
@@ -253,6 +255,7 @@ class ParamStates:
         _check_keys(state, where)
         made = self.stale_shape(param)
         if made is not None and not _param_shaped(state["exp_avg_sq"], param):  # not a key replaced: resized
+            self.check_shared()  # or another parameter's state dict, put here (state[p1] = state[p2])
             raise ValueError(
                 f"{where()} has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, master) "
                 f"was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
@@ -260,9 +263,9 @@ class ParamStates:
                 f"first: del optimizer.state[p]; or give it back its shape {made}")
         _check_tensors(state, param, where)
         step = state["step"]
-        if not (step.numel() == 1 and not step.is_meta if isinstance(step, Tensor) else _is_count(step)):
-            raise ValueError(f"{where()}: its state['step'] must be a 1-element tensor or a whole number >= 0 "
-                             f"(the steps taken), got {step!r}")
+        if not (_counts(step) if isinstance(step, Tensor) else _is_count(step)):
+            raise ValueError(f"{where()}: its state['step'] must be a 1-element tensor or a number holding a whole "
+                             f"number >= 0 (the steps taken), got {step!r}")
 
     def check_shared(self) -> None:
         """ValueError naming two parameters whose state is one dict (``opt.state[p1] = opt.state[p2]``):
@@ -537,6 +540,15 @@ def _is_count(step: Any) -> bool:
             and step == int(step))
 
 
+def _counts(step: Tensor) -> bool:
+    """Whether the tensor ``step`` holds a count of steps: one element, a whole number >= 0 where it can be
+    read without a device synchronisation (on the CPU, where halfadam keeps it; a capturable step's is on
+    the device, and only its form is checked)."""
+    if step.numel() != 1 or step.is_meta or step.is_complex():
+        return False
+    return step.device.type != "cpu" or _is_count(step.detach().reshape(()).item())
+
+
 def _param_shaped(t: Tensor, param: Tensor) -> bool:
     """Whether state tensor ``t`` has ``param``'s shape: its whole shape, or, a plain tensor in a DTensor
     parameter's state, that of this rank's shard (:meth:`ParamStates.adopt` makes it one)."""
@@ -544,11 +556,12 @@ def _param_shaped(t: Tensor, param: Tensor) -> bool:
 
 
 def _foreign(param: Tensor, state: dict) -> bool:
-    """Whether :meth:`ParamStates.adopt` changes ``state``: a ``step`` that is no tensor, a
+    """Whether :meth:`ParamStates.adopt` changes ``state``: a ``step`` that is no 0-d float32 tensor, a
     :data:`REMAINDER_DTYPE`, a tensor that requires grad, a plain tensor (but ``step``) in a DTensor
     parameter's state."""
     sharded = is_dtensor(param)
-    return not isinstance(state.get("step"), Tensor) or REMAINDER_DTYPE in state or any(
+    step = state.get("step")
+    return not isinstance(step, Tensor) or step.dtype != torch.float32 or step.dim() or REMAINDER_DTYPE in state or any(
         isinstance(v, Tensor) and (v.requires_grad or (sharded and k != "step" and not is_dtensor(v)))
         for k, v in state.items())
 
