@@ -697,3 +697,36 @@ def test_malformed_metadata_is_a_checkpoint_error(tmp_path, edit, message):
             call()
         assert f"{path / '.metadata'}: {message}" in str(info.value), str(info.value)
         assert same(snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("what", ["a bytes item", "a tensor item", "a truncated file, no manifest"])
+def test_an_item_past_its_files_end_is_refused_before_it_is_read(tmp_path, what):
+    """``.metadata`` declaring an item of 2^50 bytes (its manifest recomputed), or a data file cut in half in a
+    checkpoint without a manifest: every load and verify_checkpoint refuse, naming the file and the item,
+    before reading or allocating it (it was a MemoryError or an OSError naming no file; verify_checkpoint
+    passed the truncated file)."""
+    path = tmp_path / "ckpt"
+    _saved(path)
+    if what == "a truncated file, no manifest":
+        data = (path / "__0_0.distcp").read_bytes()
+        (path / "__0_0.distcp").write_bytes(data[:len(data) // 2])
+        (path / "halfadam.sha256").unlink()
+    else:
+        def edit(metadata):
+            prefix = hd.EXTRA_KEY if what == "a bytes item" else "model."  # an item every load below reads
+            fqn = next(k for k in metadata.state_dict_metadata if k.startswith(prefix))
+            next(info for index, info in metadata.storage_data.items() if index.fqn == fqn).length = 2 ** 50
+
+        _edit_metadata(path, edit)
+    model, opt = make("compact", seed=1)
+    before = snapshot(model, opt)
+    calls = _metadata_calls(path, model, opt)
+    del calls["layout"]  # reads .metadata alone
+    if what != "a bytes item":
+        del calls["load extra"]  # reads the extra data alone
+    for call_name, call in calls.items():
+        with pytest.raises(halfadam.CheckpointError) as info:
+            call()
+        message = str(info.value)
+        assert f"{path / '__0_0.distcp'}: its item " in message and "past the file's" in message, (call_name, message)
+    assert same(snapshot(model, opt), before)

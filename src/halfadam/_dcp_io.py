@@ -605,10 +605,8 @@ class ChecksummedReader(FileSystemReader):
         item as a load reads it (:func:`load_object`), keeping nothing: CheckpointError for one a load
         would refuse."""
         directory = Path(self.path)
-        files = sorted({info.relative_path for info in metadata.storage_data.values()})
-        self.check(files)
-        for name in files:
-            open_inside(directory, directory / name).close()
+        self.check({info.relative_path for info in metadata.storage_data.values()})
+        check_extents(directory, metadata.storage_data)
         for fqn, meta in metadata.state_dict_metadata.items():
             if isinstance(meta, BytesStorageMetadata):
                 info = metadata.storage_data[MetadataIndex(fqn)]
@@ -619,4 +617,27 @@ class ChecksummedReader(FileSystemReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         self.check({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        check_extents(Path(self.path), {item.storage_index: self.storage_data[item.storage_index]
+                                        for item in plan.items})
         return super().prepare_local_plan(plan)
+
+
+def check_extents(directory: Path, storage: Dict[MetadataIndex, Any]) -> None:
+    """Check that each item of ``storage`` (``.metadata``'s places: a file name, an offset and a length)
+    lies within its file, a regular file inside ``directory`` (:func:`open_inside`), before any item is read:
+    a declared length is never allocated nor read past the file's end (a truncated file without a manifest
+    fails here too).
+
+    Raises:
+        CheckpointError: naming the file, the item and both sizes; or what :func:`open_inside` raises.
+    """
+    sizes: Dict[str, int] = {}
+    for index, info in storage.items():
+        name = info.relative_path
+        if name not in sizes:
+            with open_inside(directory, directory / name) as f:
+                sizes[name] = os.fstat(f.fileno()).st_size
+        if info.offset + info.length > sizes[name]:
+            raise CheckpointError(f"{directory / name}: its item {index.fqn} lies at bytes {info.offset:,} to "
+                                  f"{info.offset + info.length:,} (.metadata), past the file's {sizes[name]:,} bytes: "
+                                  f"the file is truncated, or .metadata is not its checkpoint's")
