@@ -58,6 +58,12 @@
 // Constants that a hot loop needs many of are made before it and pinned (Lanes*::pin): else GCC makes
 // them again in the loop from a general register (mov, vpbroadcastd), which cost compact's step about
 // 8% and tiny's 7% on Zen 4 (the encoders' and the split8 master's constants).
+// The 8 lanes (AVX2) have 16 registers and no masks; four things make up for some of it: a constant by one
+// load (Lanes8::seti: vpbroadcastd from memory, not mov, vmovd and vpbroadcastd per use), the hash's
+// multipliers pinned (Mixers), blends by vblendvps (no vpcmpgtb before each vpblendvb) and narrowing stores
+// by byte shuffles (vpshufb and one permute, not packs and extracts). Measured together as x86-64-v3 code
+// (-mtune=znver3, torch's AVX2 kernels) on a Xeon (Sapphire Rapids, by thread CPU time, 1 thread, 20M
+// bfloat16 parameters): split 7%, bf16 9%, compact 12-14%, tiny 5-10% off the step; fp32 0-1%.
 // The float work is the divider's: sqrt and two divisions per element cost AVX-512 about 18 cycles
 // per 16 lanes on the AMD Zen 4 this was measured on, a floor that torch's fused AdamW shares.
 #include <torch/extension.h>
@@ -304,7 +310,20 @@ struct Lanes8 {
   using I = __m256i;
   using M = __m256i;  // all bits set where true
   static HA_INLINE F set(float x) { return V8(x); }
-  static HA_INLINE I seti(int32_t x) { return _mm256_set1_epi32(x); }
+  // A constant x by one load, vpbroadcastd from a 4-byte constant of its own (merged by the linker):
+  // with AVX2's 16 registers GCC else makes it again in the loop that needs it, from a general register
+  // (mov, vmovd, vpbroadcastd: three instructions and two vector ones, per use)
+  static HA_INLINE I seti(int32_t x) {
+#if defined(__ELF__)  // the constant's own section: ELF's (a Mach-O or COFF build makes it as before)
+    if (__builtin_constant_p(x)) {
+      I r;
+      asm(".pushsection .rodata.cst4,\"aM\",@progbits,4\n\t.balign 4\n1:\t.long %c1\n\t.popsection\n\t"
+          "vpbroadcastd 1b(%%rip), %0" : "=x"(r) : "i"(x));
+      return r;
+    }
+#endif
+    return _mm256_set1_epi32(x);
+  }
   static HA_INLINE I pin(I x) { asm("" : "+x"(x)); return x; }
   static HA_INLINE I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   static HA_INLINE I bits(F x) { return _mm256_castps_si256(x.x); }
@@ -343,19 +362,23 @@ struct Lanes8 {
   static HA_INLINE M fneq(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, b.x, _CMP_NEQ_UQ)); }
   static HA_INLINE M fnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, a.x, _CMP_UNORD_Q)); }
   static HA_INLINE M nonfinite(F a) {
-    const I e = _mm256_and_si256(bits(a), _mm256_set1_epi32(0x7F800000));
-    return _mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7F800000));
+    const I e = _mm256_and_si256(bits(a), seti(0x7F800000));
+    return _mm256_cmpeq_epi32(e, seti(0x7F800000));
   }
   static HA_INLINE M special(F a) { return mor(nonfinite(a), _mm256_cmpeq_epi32(sll(bits(a), 1), _mm256_setzero_si256())); }
   static HA_INLINE M mor(M a, M b) { return _mm256_or_si256(a, b); }
   static HA_INLINE M mand(M a, M b) { return _mm256_and_si256(a, b); }
   static HA_INLINE M mandn(M a, M b) { return _mm256_andnot_si256(a, b); }
   static HA_INLINE M test_mask(M m, I a, int32_t c) {
-    return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(a, _mm256_set1_epi32(c)), _mm256_setzero_si256()), m);
+    return _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(a, seti(c)), _mm256_setzero_si256()), m);
   }
   static HA_INLINE I sub_unless(M m, I a, I b) { return _mm256_andnot_si256(m, _mm256_sub_epi32(a, b)); }
   static HA_INLINE F fif(M m, F yes, F no) { return _mm256_blendv_ps(no.x, yes.x, _mm256_castsi256_ps(m)); }
-  static HA_INLINE I iif(M m, I yes, I no) { return _mm256_blendv_epi8(no, yes, m); }
+  // by vblendvps: GCC folds a blend to a select on its mask's sign bits, which for a vpblendvb's bytes
+  // takes one more compare (vpcmpgtb) to remake the mask it had, and for a vblendvps's lanes none
+  static HA_INLINE I iif(M m, I yes, I no) {
+    return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(no), _mm256_castsi256_ps(yes), _mm256_castsi256_ps(m)));
+  }
   static HA_INLINE bool any(M m) { return !_mm256_testz_si256(m, m); }
   static HA_INLINE int bitmask(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)); }
   static HA_INLINE F cvtif(I a) { return _mm256_cvtepi32_ps(a); }
@@ -377,20 +400,34 @@ struct Lanes8 {
   }
   static HA_INLINE I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static HA_INLINE I load_s8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static HA_INLINE void store_u8(uint8_t* p, I x) {  // values in 0..255
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  // Narrowing stores by byte shuffles (vpshufb within each 128-bit half, then one permute across them),
+  // in place of packs and extracts: the bytes `pick` takes of each half, as dwords 0, 4, 1, 5, ... (vpermd)
+  static HA_INLINE __m128i gather_dwords(I x, I pick) {
+    return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(x, pick), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
-  static HA_INLINE void store_s8(int8_t* p, I x) {  // values in -128..127
-    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+  // ... each lane's first byte, in the low 8 bytes
+  static HA_INLINE __m128i low_bytes(I x) {
+    return gather_dwords(x, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
+                                             -1, -1, -1, -1, -1, -1, -1, -1, -1));
   }
-  static HA_INLINE void store_lo8(uint8_t* p, I x) { store_u8(p, _mm256_and_si256(x, _mm256_set1_epi32(255))); }
-  static HA_INLINE void store_bytes(uint8_t* lo, int8_t* hi, I x) { store_lo8(lo, x); store_s8(hi, sra(x, 8)); }
-  static HA_INLINE void store_u16(void* p, I x) {  // values in 0..65535
-    _mm_storeu_si128(static_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  // ... each lane's 16-bit half at byte `at` (0 or 2), in order (as qwords 0, 2: vpermq)
+  template <int AT>
+  static HA_INLINE __m128i halves(I x) {
+    const I pick = _mm256_setr_epi8(AT, AT + 1, AT + 4, AT + 5, AT + 8, AT + 9, AT + 12, AT + 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                    AT, AT + 1, AT + 4, AT + 5, AT + 8, AT + 9, AT + 12, AT + 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, pick), 0xD8));
   }
-  static HA_INLINE void store_hi16(void* p, I x) { store_u16(p, srl(x, 16)); }  // the upper 16 bits
+  static HA_INLINE void store_u8(uint8_t* p, I x) { _mm_storel_epi64(reinterpret_cast<__m128i*>(p), low_bytes(x)); }  // values in 0..255
+  static HA_INLINE void store_s8(int8_t* p, I x) { _mm_storel_epi64(reinterpret_cast<__m128i*>(p), low_bytes(x)); }  // values in -128..127
+  static HA_INLINE void store_lo8(uint8_t* p, I x) { store_u8(p, x); }  // the lowest byte
+  static HA_INLINE void store_bytes(uint8_t* lo, int8_t* hi, I x) {  // the lanes' first bytes, then their second ones
+    const __m128i b = gather_dwords(x, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, 1, 5,
+                                                        9, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), b);
+    _mm_storeh_pd(reinterpret_cast<double*>(hi), _mm_castsi128_pd(b));
+  }
+  static HA_INLINE void store_u16(void* p, I x) { _mm_storeu_si128(static_cast<__m128i*>(p), halves<0>(x)); }  // values in 0..65535
+  static HA_INLINE void store_hi16(void* p, I x) { _mm_storeu_si128(static_cast<__m128i*>(p), halves<2>(x)); }  // the upper 16 bits
   static constexpr bool kLut = false;  // 8-entry permutes only: the tiers by compares
   struct Lut {};
   static HA_INLINE Lut lut_load(const int32_t*) { return {}; }
@@ -607,28 +644,35 @@ HA_INLINE typename L::F fp16_ulp(typename L::F x) {
   return L::fromb(L::sll(L::isub(e, L::seti(10)), 23));
 }
 
+// The hash's multipliers, made once before a loop that hashes (pinned: with AVX2's 16 registers GCC
+// else makes each again per vector from a general register, mov, vmovd and vpbroadcastd, where the
+// pinned one spilled is one load folded into the vpmulld)
+template <class L>
+struct Mixers {
+  typename L::I m1 = L::pin(L::seti(0x7FEB352D)), m2 = L::pin(L::seti(0x2C1B3C6D)), m3 = L::pin(L::seti(0x297A2D39));
+};
 // encodings._random_bits of an element's position x with the seed folded in:
 // seed_term = (step * 0x27D4EB2F + _SALT) mod 2**32
 template <class L>
-HA_INLINE typename L::I hash(typename L::I x, typename L::I seed_term) {
+HA_INLINE typename L::I hash(typename L::I x, typename L::I seed_term, const Mixers<L>& k) {
   typename L::I h = L::ixor(x, seed_term);
-  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x7FEB352D));
-  h = L::imul(L::ixor(h, L::srl(h, 15)), L::seti(0x2C1B3C6D));
-  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x297A2D39));
+  h = L::imul(L::ixor(h, L::srl(h, 16)), k.m1);
+  h = L::imul(L::ixor(h, L::srl(h, 15)), k.m2);
+  h = L::imul(L::ixor(h, L::srl(h, 16)), k.m3);
   return L::ixor(h, L::srl(h, 15));
 }
 // hash of the W positions position0 + lane (mod 2**32). Where position0 is a multiple of W, the
 // lanes differ in bits below 16 only: x = position0 ^ seed_term is one value, and the first round's
 // h ^ (h >> 16) is (x ^ (x >> 16)) ^ lane.
 template <class L>
-HA_INLINE typename L::I hash_at(uint32_t position0, uint32_t seed_term) {
+HA_INLINE typename L::I hash_at(uint32_t position0, uint32_t seed_term, const Mixers<L>& k) {
   using I = typename L::I;
   if (L::W == 1 || (position0 & (L::W - 1)) != 0)
-    return hash<L>(L::iadd(L::seti(static_cast<int32_t>(position0)), L::iota()), L::seti(static_cast<int32_t>(seed_term)));
+    return hash<L>(L::iadd(L::seti(static_cast<int32_t>(position0)), L::iota()), L::seti(static_cast<int32_t>(seed_term)), k);
   const uint32_t x = position0 ^ seed_term;
-  I h = L::imul(L::ixor(L::seti(static_cast<int32_t>(x ^ (x >> 16))), L::iota()), L::seti(0x7FEB352D));
-  h = L::imul(L::ixor(h, L::srl(h, 15)), L::seti(0x2C1B3C6D));
-  h = L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x297A2D39));
+  I h = L::imul(L::ixor(L::seti(static_cast<int32_t>(x ^ (x >> 16))), L::iota()), k.m1);
+  h = L::imul(L::ixor(h, L::srl(h, 15)), k.m2);
+  h = L::imul(L::ixor(h, L::srl(h, 16)), k.m3);
   return L::ixor(h, L::srl(h, 15));
 }
 // encodings._moment_bits: exp_avg's 16 random bits are the hash's upper half, exp_avg_sq's its lower
@@ -907,8 +951,9 @@ HA_INLINE void encode_lanes(const float* mx, const float* vx, uint8_t* mc, uint8
   using I = typename L::I;
   const Encoder<L, true> me;
   const Encoder<L, false> ve;
+  const Mixers<L> mix;
   for (int64_t j = 0; j + L::W <= n; j += L::W) {
-    const I h = HASHED ? L::loadi(hashes + j) : hash_at<L>(position0 + static_cast<uint32_t>(j), seed_term);
+    const I h = HASHED ? L::loadi(hashes + j) : hash_at<L>(position0 + static_cast<uint32_t>(j), seed_term, mix);
     if (M8) L::store_u8(mc + j, encode_u8<L, true, NORMAL_M>(L::load(mx + j), h, mb, me));
     if (V8) L::store_u8(vc + j, encode_u8<L, false, NORMAL_V>(L::load(vx + j), h, vb, ve));
   }
@@ -966,6 +1011,7 @@ template <class L>
 struct Coefficients {
   typename L::F decay_factor, l2, step_size, sqrt_bias_correction2, one_minus_beta1, beta2, one_minus_beta2, eps,
       grad_scale;
+  Mixers<L> mix;  // a bfloat16 moment's hashes
   explicit Coefficients(const float* c)
       : decay_factor(L::set(c[0])), l2(L::set(c[1])), step_size(L::set(c[2])), sqrt_bias_correction2(L::set(c[3])),
         one_minus_beta1(L::set(c[4])), beta2(L::set(c[5])), one_minus_beta2(L::set(c[6])), eps(L::set(c[7])),
@@ -1028,8 +1074,8 @@ HA_INLINE typename L::F split8_decode(typename L::F p, typename L::I c) {
 // encodings._master_bits: the split8 master's 8 random bits from the element's hash h, one more
 // xor-shift-multiply round and its upper byte
 template <class L>
-HA_INLINE typename L::I master_bits(typename L::I h) {
-  return L::srl(L::imul(L::ixor(h, L::srl(h, 16)), L::seti(0x7FEB352D)), 24);
+HA_INLINE typename L::I master_bits(typename L::I h, const Mixers<L>& k) {
+  return L::srl(L::imul(L::ixor(h, L::srl(h, 16)), k.m1), 24);
 }
 
 // Elements i .. i + W - 1 of one parameter (all in block `blk`). P: the parameter's dtype, G: the
@@ -1085,7 +1131,7 @@ HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Bl
   v = v * c.beta2 + (g * c.one_minus_beta2) * g;
   I h{};  // the moments stored before the sqrt and divisions (in program order: not behind them)
   if constexpr (is_bf16<MA> || is_bf16<MV>) {
-    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term);
+    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term, c.mix);
     if constexpr (MS == Master::kSplit8) L::storei(blk.h_buf + j, h);  // for store_split8
   }
   store_moment<L, MA, true>(s.exp_avg, e, m, h, blk.m_buf + j, blk.m_max, blk.m_min);
@@ -1149,6 +1195,7 @@ struct Split8Constants {  // store_split8's, made once per run (pinned: not agai
   using I = typename L::I;
   I magnitude = L::pin(L::seti(0x7FFFFFFF)), top = L::pin(L::seti(kBf16MaxBits)), c128 = L::pin(L::seti(128)),
     ulp = L::pin(L::seti(65536)), c127 = L::pin(L::seti(127)), cm128 = L::pin(L::seti(-128));
+  Mixers<L> mix;
 };
 template <class L, bool HASHED, bool KEEP>
 HA_INLINE void store_split8(const Step& s, const Item& it, Block<L>& blk, int64_t i, const Split8Constants<L>& k) {
@@ -1164,10 +1211,10 @@ HA_INLINE void store_split8(const Step& s, const Item& it, Block<L>& blk, int64_
   if constexpr (HASHED) {
     h = L::loadi(blk.h_buf + j);
   } else {
-    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term);
+    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term, k.mix);
     if constexpr (KEEP) L::storei(blk.h_buf + j, h);
   }
-  const I rnd = master_bits<L>(h);
+  const I rnd = master_bits<L>(h, k.mix);
   I c = L::sra(L::iadd(L::isub(L::bits(w), pb), rnd), 8);
   const M top = L::ieq(L::iand(pb, k.magnitude), k.top);
   const M bump = L::mandn(L::mor(sp, top), L::ieq(c, k.c128));
