@@ -345,33 +345,20 @@ def test_a_state_tensor_that_requires_grad_is_taken_as_its_values(mode, impl):
 
 
 @pytest.mark.parametrize("impl", REPLACING)
-def test_a_state_dict_shared_by_two_parameters_is_an_error_naming_both(impl):
+@pytest.mark.parametrize("shapes", [[(4, 256), (4, 256)], [(64,), (16,)]], ids=["one shape", "two shapes"])
+def test_a_state_dict_shared_by_two_parameters_is_an_error_naming_both(shapes, impl):
     """``opt.state[p1] = opt.state[p2]``: a ValueError naming both parameters at the step (and at
-    ``state_dict()``, ``sync_master_weights()``), before anything changes."""
+    ``state_dict()``, ``sync_master_weights()``), before anything changes; for parameters of two shapes
+    too (not "the parameter was resized since", whose advice would be wrong)."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 256).bfloat16()) for _ in range(2)]
-    opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.state[params[0]] = opt.state[params[1]]
-    _refused(opt, params, r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] share one "
-             r"state dict", opt.step, opt.state_dict, opt.sync_master_weights)
-
-
-@pytest.mark.parametrize("impl", REPLACING)
-def test_a_state_dict_shared_by_parameters_of_two_shapes_is_named_as_shared(impl):
-    """``opt.state[b] = opt.state[a]`` for parameters of other shapes: the shared dict is named (not "the
-    parameter was resized since", whose advice would be wrong), before anything changes."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(16).bfloat16())]
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in shapes]
     opt = halfadam.AdamW(params, lr=1e-2, implementation=impl)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
     opt.state[params[1]] = opt.state[params[0]]
     _refused(opt, params, r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] share one "
-             r"state dict", opt.step)
+             r"state dict", opt.step, opt.state_dict, opt.sync_master_weights)
 
 
 WRITTEN = {
