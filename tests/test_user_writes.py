@@ -813,3 +813,24 @@ def test_a_dtensor_parameters_state_is_checked_against_its_shard(tmp_path):
                                               f"the parameter is a DTensor of placements (Shard(dim=0),)"), (mode, impl)
             assert r["whole unchanged"] and r["replicated unchanged"], (mode, impl)
             assert r["shard kept sharded"] and r["shard as in place"], (mode, impl)
+
+
+@pytest.mark.parametrize("impl", REPLACING)
+def test_a_rebuild_leaves_an_unreadable_state_for_the_step_that_reads_it(impl):
+    """A group's buckets rebuilt (a parameter changed dtype) while another parameter, without a gradient this
+    step, holds a state no rule reads: the step of the first goes on, the other's state is left as it is, and
+    the step that reads it refuses it by name (the rebuild raised from its attach, partway through)."""
+    torch.manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(4, 256).bfloat16()) for _ in range(2))
+    opt = halfadam.AdamW([a, b], lr=1e-2, implementation=impl)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    meta = torch.empty(4, 256, device="meta")
+    opt.state[b]["exp_avg_sq"], b.grad = meta, None
+    a.data = a.data.to(torch.float16)  # the next step rebuilds the group's buckets
+    a.grad = torch.randn_like(a)
+    opt.step()
+    assert int(opt.state[a]["step"]) == 2 and opt.state[a]["exp_avg"].dtype == torch.float32
+    assert opt.state[b]["exp_avg_sq"] is meta and int(opt.state[b]["step"]) == 1
+    b.grad = torch.randn_like(b)
+    _refused(opt, [a, b], r"param_groups\[0\]\['params'\]\[1\]: its state\['exp_avg_sq'\] is on the meta device")

@@ -354,8 +354,8 @@ class ParamStates:
         self.layouts[id(group)] = layout
         for p in params:
             state = self.state.get(p)
-            if not state or self.stale_shape(p) is not None:  # none, or made for an old shape: its next use raises
-                continue
+            if not state or self.stale_shape(p) is not None or not _readable(self, p, group):
+                continue  # none, made for an old shape, or written into a form no rule reads: its next use raises
             self.adopt(p, state, group)
             if not self.fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
@@ -538,6 +538,16 @@ def _is_count(step: Any) -> bool:
     """Whether ``step`` is a Python number that counts steps: a whole number >= 0 (not a bool)."""
     return (isinstance(step, numbers.Real) and not isinstance(step, bool) and math.isfinite(step) and step >= 0
             and step == int(step))
+
+
+def _readable(states: ParamStates, param: Tensor, group: Dict[str, Any]) -> bool:
+    """Whether ``param``'s state passes :meth:`ParamStates.check_state` (a rebuild leaves one that does not
+    as it is, outside the buckets, for the step that reads it to refuse by name)."""
+    try:
+        states.check_state(param, group)
+    except ValueError:
+        return False
+    return True
 
 
 def _counts(step: Tensor) -> bool:
