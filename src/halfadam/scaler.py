@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -128,7 +128,8 @@ class _Streaks:
 
     def record(self, overflow: bool, all_zero: Optional[bool], scale: Tensor) -> None:
         """One step's outcome (``overflow``: its gradients held inf/nan; ``all_zero``: they were all 0,
-        ``None`` if not known); ``scale``: the new loss scale."""
+        ``None`` if not known); ``scale``: the new loss scale. Called by :meth:`_LossScale.update`: the
+        warnings point at the caller of :meth:`GradScaler.update`."""
         if all_zero and not overflow:
             self.zero_steps += 1
             if self.zero_steps >= _ZERO_WARNING_STEPS and not self.zero_warned:
@@ -137,7 +138,7 @@ class _Streaks:
                     f"GradScaler: every gradient was 0 in {self.zero_steps} consecutive steps (loss scale "
                     f"{scale.item():.3g}, min_scale {self.min_scale:.3g}): nothing is training. A scale far "
                     f"below 1 flushes float16 gradients to 0 in the backward pass: raise min_scale; else "
-                    f"look for a loss that does not depend on the parameters.", UserWarning, stacklevel=3)
+                    f"look for a loss that does not depend on the parameters.", UserWarning, stacklevel=4)
         elif all_zero is not None or overflow:
             self.zero_steps, self.zero_warned = 0, False
         if not overflow:
@@ -155,7 +156,80 @@ class _Streaks:
                 f"GradScaler: {self.steps} consecutive steps had inf/nan gradients and were "
                 f"skipped; the loss scale {reason}. Lowering the scale does not seem to cure it: look for "
                 f"inf/nan in the loss, the data or the model. Training resumes (and the scale grows "
-                f"again) at the first step with finite gradients.", UserWarning, stacklevel=3)
+                f"again) at the first step with finite gradients.", UserWarning, stacklevel=4)
+
+
+class _LossScale:
+    """The dynamic loss scale of a :class:`GradScaler`: its settings, its 1-element tensors (created on
+    first use), its update rule and its saved state. :class:`GradScaler` runs the protocol around it
+    (scale, unscale, check and step each optimizer) and hands this the outcome of each step.
+
+    ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and ``min_scale`` are
+    checked as :class:`GradScaler` documents them (TypeError / ValueError naming the argument).
+    """
+
+    def __init__(self, init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+                 min_scale: Any):
+        (self.init_scale, self.growth_factor, self.backoff_factor,
+         self.growth_interval) = _settings(init_scale, growth_factor, backoff_factor, growth_interval, "init_scale")
+        min_scale = _scale_value("min_scale", min_scale)
+        if self.init_scale < min_scale:
+            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}, the floor of the scale")
+        self.scale: Optional[Tensor] = None  # float32, 1 element; None until create()
+        self.tracker: Optional[Tensor] = None  # int32, 1 element: clean steps since the last change
+        self.init_tracker = 0
+        self.streaks = _Streaks(min_scale)  # consecutive overflows and all-zero steps, for the warnings
+
+    def create(self, device: torch.device) -> None:
+        """The scale and growth tracker tensors on ``device``, unless they exist already."""
+        if self.scale is None:
+            self.scale = torch.full((1,), self.init_scale, dtype=torch.float32, device=device)
+            self.tracker = torch.full((1,), self.init_tracker, dtype=torch.int32, device=device)
+
+    def value(self) -> float:
+        """The scale as a Python float (``init_scale`` before :meth:`create`)."""
+        return self.init_scale if self.scale is None else self.scale.item()
+
+    def set(self, new_scale: Any) -> None:
+        """Set the scale to ``new_scale`` (a real number or a 1-element tensor, checked); the tracker stays."""
+        value = new_scale.item() if isinstance(new_scale, Tensor) else new_scale
+        self.scale.fill_(_scale_value("new_scale", value))
+
+    def update(self, found: List[Tensor], all_zero: Optional[bool]) -> None:
+        """Back off or grow (:func:`_update_scale_`) after a step whose optimizers' ``found_inf`` flags are
+        ``found`` (any nonzero: an overflow) and whose gradients were ``all_zero`` (``None``: not known);
+        records the step in the streaks that warn."""
+        found_inf = torch.stack([f.to(self.scale.device) for f in found]).sum() > 0
+        _update_scale_(self.scale, self.tracker, found_inf, self.growth_factor, self.backoff_factor,
+                       self.growth_interval, self.streaks.min_scale)
+        self.streaks.record(bool(found_inf), all_zero, self.scale)  # step() synchronized on found_inf
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The keys and values of ``torch.amp.GradScaler.state_dict()`` (see :meth:`GradScaler.state_dict`)."""
+        return {
+            "scale": self.value(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self.init_tracker if self.tracker is None else int(self.tracker.item()),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a non-empty ``state_dict`` as :meth:`GradScaler.load_state_dict` documents (all checked
+        before anything changes; a scale below ``min_scale`` starts at ``min_scale``, with a warning
+        pointing at the caller of :meth:`GradScaler.load_state_dict`)."""
+        settings, tracker = _checked_state(state_dict)
+        min_scale = self.streaks.min_scale
+        if settings[0] < min_scale:
+            warnings.warn(f"GradScaler.load_state_dict: the saved loss scale {settings[0]:.3g} is below this "
+                          f"scaler's min_scale={min_scale:.3g} (torch.amp.GradScaler has no floor); "
+                          f"it starts at min_scale", UserWarning, stacklevel=3)
+            settings = (min_scale,) + settings[1:]
+        self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval = settings
+        self.init_tracker = tracker
+        if self.scale is not None:
+            self.scale.fill_(self.init_scale)
+            self.tracker.fill_(self.init_tracker)
 
 
 def _clip_unscaled(scaler: "GradScaler", optimizer: Any, step_kwargs: Dict[str, Any]) -> Tensor:
@@ -261,11 +335,7 @@ class GradScaler:
         process_group: Any = AUTO,
         min_scale: float = 1.0,
     ):
-        (self._init_scale, self._growth_factor, self._backoff_factor,
-         self._growth_interval) = _settings(init_scale, growth_factor, backoff_factor, growth_interval, "init_scale")
-        min_scale = _scale_value("min_scale", min_scale)
-        if self._init_scale < min_scale:
-            raise ValueError(f"init_scale={init_scale!r} is below min_scale={min_scale!r}, the floor of the scale")
+        self._loss = _LossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)
         if max_grad_norm is not None:
             max_grad_norm = _real("max_grad_norm", max_grad_norm)
             if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
@@ -282,10 +352,6 @@ class GradScaler:
         #: The global gradient norm (unscaled, before clipping) of the last :meth:`step` that clipped
         #: through ``max_grad_norm``, a 0-d float32 tensor; ``None`` before.
         self.last_grad_norm: Optional[Tensor] = None
-        self._scale: Optional[Tensor] = None
-        self._growth_tracker: Optional[Tensor] = None
-        self._init_growth_tracker = 0
-        self._streaks = _Streaks(min_scale)  # consecutive overflows and all-zero steps, for the warnings
         self._per_optimizer: Dict[int, Dict[str, Any]] = {}
         self._fp16_edit_warned = False  # the one-time Float16GradWarning (see step)
 
@@ -294,11 +360,10 @@ class GradScaler:
         """Whether loss scaling is on (the ``enabled`` argument)."""
         return self._enabled
 
-    def _lazy_init(self, device: torch.device) -> None:
-        if self._scale is None:
-            device = self._device or device
-            self._scale = torch.full((1,), self._init_scale, dtype=torch.float32, device=device)
-            self._growth_tracker = torch.full((1,), self._init_growth_tracker, dtype=torch.int32, device=device)
+    @property
+    def _scale(self) -> Optional[Tensor]:
+        """The loss scale tensor (float32, 1 element); ``None`` before the first :meth:`scale`."""
+        return self._loss.scale
 
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` (a tensor, or a list/tuple of them, nested) by the loss scale.
@@ -315,7 +380,7 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            self._lazy_init(outputs.device)
+            self._loss.create(self._device or outputs.device)
             return outputs * self._scale.to(device=outputs.device).reshape(())
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
@@ -325,19 +390,19 @@ class GradScaler:
         """The current loss scale as a Python float (1.0 when disabled; ``init_scale`` before use)."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else self._scale.item()
+        return self._loss.value()
 
     def get_growth_factor(self) -> float:
         """The factor the scale grows by after ``growth_interval`` consecutive clean steps."""
-        return self._growth_factor
+        return self._loss.growth_factor
 
     def get_backoff_factor(self) -> float:
         """The factor the scale shrinks by after a step with inf/nan gradients."""
-        return self._backoff_factor
+        return self._loss.backoff_factor
 
     def get_growth_interval(self) -> int:
         """The number of consecutive clean steps between growths."""
-        return self._growth_interval
+        return self._loss.growth_interval
 
     # ------------------------------------------------------------------ unscale / step
     def _opt_state(self, optimizer: Any) -> Dict[str, Any]:
@@ -515,18 +580,13 @@ class GradScaler:
         if self._scale is None:
             raise RuntimeError("update() called before scale(): no loss scale exists yet.")
         if new_scale is not None:
-            value = new_scale.item() if isinstance(new_scale, Tensor) else new_scale
-            self._scale.fill_(_scale_value("new_scale", value))
+            self._loss.set(new_scale)
         else:
             found = [st["found_inf"] for st in self._per_optimizer.values() if st["found_inf"] is not None]
             if not found:
                 raise RuntimeError("No inf checks were recorded prior to update().")
-            found_inf = torch.stack([f.to(self._scale.device) for f in found]).sum() > 0
-            _update_scale_(self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
-                           self._growth_interval, self._streaks.min_scale)
             zeros = [st.get("all_zero") for st in self._per_optimizer.values()]
-            all_zero = None if any(z is None for z in zeros) else all(bool(z) for z in zeros)
-            self._streaks.record(bool(found_inf), all_zero, self._scale)  # step() synchronized on found_inf
+            self._loss.update(found, None if any(z is None for z in zeros) else all(bool(z) for z in zeros))
         self._per_optimizer.clear()
 
     # ------------------------------------------------------------------ state
@@ -536,15 +596,7 @@ class GradScaler:
         The keys of ``torch.amp.GradScaler.state_dict()``, so either scaler loads the other's.
         Empty when disabled.
         """
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item()),
-        }
+        return self._loss.state_dict() if self._enabled else {}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or from ``torch.amp.GradScaler``); checked first.
@@ -566,14 +618,4 @@ class GradScaler:
             return
         if not state_dict:
             raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
-        settings, tracker = _checked_state(state_dict)
-        if settings[0] < self._streaks.min_scale:
-            warnings.warn(f"GradScaler.load_state_dict: the saved loss scale {settings[0]:.3g} is below this "
-                          f"scaler's min_scale={self._streaks.min_scale:.3g} (torch.amp.GradScaler has no floor); "
-                          f"it starts at min_scale", UserWarning, stacklevel=2)
-            settings = (self._streaks.min_scale,) + settings[1:]
-        self._init_scale, self._growth_factor, self._backoff_factor, self._growth_interval = settings
-        self._init_growth_tracker = tracker
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._growth_tracker.fill_(self._init_growth_tracker)
+        self._loss.load_state_dict(state_dict)
