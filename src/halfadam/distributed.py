@@ -610,21 +610,10 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_sd
 
-    from ._dcp_io import ChecksummedReader, SafeLoadPlanner, check_present
+    from ._dcp_io import SafeLoadPlanner
 
-    _nested(options)
-    check_present(checkpoint_id, where := f"cannot load the checkpoint {checkpoint_id}")  # before any reading
-    with _checkpoint_errors(where):
-        reader = ChecksummedReader(str(checkpoint_id))
-        keys = reader.read_metadata().state_dict_metadata  # checked first, on every rank
-    if optimizer is not None:
-        if model is None:
-            raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
-        _nested_checkpoint(keys, key, checkpoint_id)
-        groups = len(_saved_groups(keys, key, checkpoint_id))
-        if groups and groups != len(optimizer.param_groups):
-            raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
-                                  f"{len(optimizer.param_groups)}")
+    where = f"cannot load the checkpoint {checkpoint_id}"
+    reader, keys = _opened(checkpoint_id, model, optimizer, options, key, where)
     # state DCP's layout (torch optimizers) and halfadam's load make for stateless parameters; a failure drops it
     fresh = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]
                                           if not optimizer.state.get(p)]
@@ -652,6 +641,29 @@ def load_checkpoint(checkpoint_id: Any, model: Optional[torch.nn.Module] = None,
             optimizer.state.pop(p, None)
         raise
     return extra
+
+
+def _opened(checkpoint_id: Any, model: Optional[torch.nn.Module], optimizer: Any, options: Any, key: str,
+            where: str) -> Tuple[Any, Dict[str, Any]]:
+    """``(reader, keys)`` for :func:`load_checkpoint`: the checkpoint's checked reader and its metadata's
+    items, once everything that can be checked before a tensor is read has been (the options, the
+    directory, the manifest and ``.metadata``, the optimizer's layout and group count); nothing changes."""
+    from ._dcp_io import ChecksummedReader, check_present
+
+    _nested(options)
+    check_present(checkpoint_id, where)  # before any reading
+    with _checkpoint_errors(where):
+        reader = ChecksummedReader(str(checkpoint_id))
+        keys = reader.read_metadata().state_dict_metadata  # checked first, on every rank
+    if optimizer is not None:
+        if model is None:
+            raise TypeError("load_checkpoint: an optimizer is loaded with its model (pass model=)")
+        _nested_checkpoint(keys, key, checkpoint_id)
+        groups = len(_saved_groups(keys, key, checkpoint_id))
+        if groups and groups != len(optimizer.param_groups):
+            raise CheckpointError(f"{where}: it has {groups} parameter group(s) under {key!r}, this optimizer "
+                                  f"{len(optimizer.param_groups)}")
+    return reader, keys
 
 
 def _staging(model: Optional[torch.nn.Module], optimizer: Any, options: Any, checkpoint_id: Any, keys: Any, key: str,
