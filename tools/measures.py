@@ -25,7 +25,7 @@ LAYERS = [
     ["hyperparams", "schedules"],
     ["encodings", "kernels.triton", "kernels"],
     ["buckets"],
-    ["param_groups", "state"],
+    ["param_groups", "state", "state_checks"],
     ["executions", "selfcheck"],
     ["state_dict", "_dcp_io"],
     ["optimizer"],
