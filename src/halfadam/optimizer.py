@@ -2,7 +2,7 @@
 
 One engine (:class:`_AdamBase`) reads as torch's ``optim/adamw.py``: arguments (validated by
 :mod:`halfadam.hyperparams` and :mod:`halfadam.param_groups`), groups, ``step`` and state dicts
-(:mod:`halfadam.state_dict`). Each step checks everything first (:meth:`_AdamBase._plan`), then hands
+(:mod:`halfadam.state_dict`). Each step checks everything first (:func:`_plan`), then hands
 each group to an execution (:mod:`halfadam.executions`), which runs the single statement of the
 update math (:func:`halfadam.functional.adam_update_`). How each parameter's state is laid out, made
 and kept fitting the parameter is the layer below, :mod:`halfadam.state`. The public classes only
@@ -309,7 +309,7 @@ class _AdamBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        plan = self._plan(grads, grad_scale, found_inf)  # a call that raises here changes nothing
+        plan = _plan(self, grads, grad_scale, found_inf)  # a call that raises here changes nothing
         if found_inf is not None and not self.capturable:
             if found_inf.item() != 0:
                 return loss
@@ -317,109 +317,12 @@ class _AdamBase(torch.optim.Optimizer):
         work = [self._states.sort(group, pairs) for group, _, _, pairs in plan]  # every state checked, then a step
         for (group, hp, after, pairs), sorted_pairs in zip(plan, work):
             if pairs:
-                self._run_group(group, sorted_pairs, hp, grad_scale, found_inf)
+                _run_group(self, group, sorted_pairs, hp, grad_scale, found_inf)
         for group, hp, after, pairs in plan:  # the schedules move once every group has stepped
             group["global_step"] += 1
             group.update((k, v) for k, v in after.items() if v is not None)
             self._written[id(group)] = (group["lr"], group["weight_decay"])
         return loss
-
-    def _plan(self, grads: Optional[Mapping], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> list:
-        """Check a step's arguments, gradients and scheduled values, before anything changes (the
-        states: :meth:`halfadam.state.ParamStates.sort`); one ``(group, hp, after, pairs)`` per group:
-        the hyperparameters of this step, those ``group`` shows after it (``after``: the next step's
-        scheduled values) and its ``(param, grad)`` pairs. Raises the errors :meth:`step` lists."""
-        if grads is not None and not isinstance(grads, Mapping):
-            raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
-        for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
-            if value is not None and not (isinstance(value, Tensor) and value.numel() == 1
-                                          and value.is_floating_point()):
-                raise TypeError(f"{name} must be None or a 1-element floating tensor, got {value!r}")
-        plan, matched = [], 0  # matched: keys of grads that are this optimizer's parameters
-        for gi, group in enumerate(self.param_groups):
-            where = f"param_groups[{gi}]"
-            self._warn_if_overridden(group, where)
-            check_step_keys(group, where, self._valid_keys)  # every group's, before any group steps
-            step = group["global_step"]
-            lr = hyperparams.resolve(group, "lr", where, step)
-            weight_decay = hyperparams.resolve(group, "weight_decay", where, step)
-            # what group["lr"] / ["weight_decay"] show after the step: the values of the next one (a bad
-            # value there is the next step's error, not this one's)
-            after = {key: hyperparams.peek(group, key, step + 1) for key in ("lr", "weight_decay")
-                     if group.get(f"{key}_schedule") is not None}
-            if grads is None:
-                pairs = [(p, p.grad) for p in group["params"]]
-            else:
-                pairs = [(p, grads[p]) for p in group["params"] if p in grads]
-                matched += len(pairs)
-            pairs = [pg for pg in pairs if pg[1] is not None]
-            check_pairs(pairs, group["params"], where)
-            if self.capturable:
-                check_capturable(pairs, group["params"], where, lambda p: self._states.use_master(p, group))
-            beta1, beta2 = group["betas"]
-            hp = Hyperparameters(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                                 weight_decay=weight_decay, decay=group["decay"],
-                                 optimized_update=group["optimized_update"])
-            plan.append((group, hp, after, pairs))
-        if grads is not None and matched != len(grads):
-            raise_foreign_key(grads, self.param_groups)
-        return plan
-
-    @torch.compiler.disable
-    def _run_group(self, group: Dict[str, Any], work: tuple, hp: Hyperparameters,
-                   grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
-        """Dispatch one group's step: buckets to the flat path, everything else to the reference.
-
-        The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
-        or unused parameters leave gaps) go to one flat step when their step counts agree. Never
-        traced by an outer ``torch.compile`` (``torch.compile(opt.step)``, a compiled train step):
-        the update runs halfadam's own kernels, called through a graph break, so it is the same
-        update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
-        """
-        layout, (per_bucket, rest, new) = work  # ParamStates.sort
-        self._states.init_group(group, new)
-        for bucket in () if layout is None else layout.buckets:
-            items = per_bucket.get(id(bucket))
-            if not items:
-                continue
-            items.sort(key=lambda item: item[0])
-            if self.capturable:  # the step counts stay on the device: one launch whatever they are
-                capturable_step(bucket, items, hp, self.implementation, grad_scale, found_inf)
-                continue
-            # One step count: one flat step. Step counts that diverged (a parameter without a gradient
-            # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
-            # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
-            if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
-                flat_step(bucket, items, hp, self.implementation, grad_scale)
-            else:
-                counts = bucket.steps[[i for i, _ in items]].tolist()
-                for count in sorted(set(counts)):
-                    flat_step(bucket, [it for it, c in zip(items, counts) if c == count], hp, self.implementation,
-                              grad_scale)
-        if rest:
-            offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
-            local_pairs, local_state = localize(rest, self.state)
-            if self.implementation in ("auto", "triton", "cpp") and any(is_dtensor(p) for p, _ in rest):
-                # FSDP2's local shards: the C++ kernel (CPU) or the Triton one (GPU) where it runs
-                left = shard_step(local_pairs, local_state, hp, self.implementation, grad_scale,
-                                  self.state_format, offsets)
-                local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
-            if local_pairs:
-                reference_step(local_pairs, local_state, hp, grad_scale, self.state_format, offsets)
-
-    def _warn_if_overridden(self, group: Dict[str, Any], where: str) -> None:
-        """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
-        torch ``lr_scheduler``): the schedule sets it at every step, so that change has no effect."""
-        written = self._written.get(id(group))
-        if written is None or self._override_warned:
-            return
-        for key, value in zip(("lr", "weight_decay"), written):
-            if group.get(f"{key}_schedule") is not None and group[key] != value:
-                self._override_warned = True
-                warnings.warn(
-                    f"{where}['{key}'] was changed outside the optimizer (by a torch lr_scheduler?), but this "
-                    f"{key} is a schedule of the global step, which sets it at every step: the change has no "
-                    f"effect", UserWarning, stacklevel=4)
 
     def __call__(self, gradients: Sequence[Tensor]) -> Tuple[bool, ...]:
         """Functional call (mindformers style): one step with ``gradients`` instead of ``.grad``.
@@ -443,6 +346,110 @@ class _AdamBase(torch.optim.Optimizer):
                 check_grad(g, p, f"gradients[{i}]")
         self.step(grads=dict(zip(order, gradients)))
         return tuple(True for _ in order)
+
+
+# ---------------------------------------------------------------------- the step's work
+# What _AdamBase.step does between its checks and its bookkeeping, group by group: plan the step
+# (everything checked before anything changes), then hand each group to an execution.
+def _plan(opt: _AdamBase, grads: Optional[Mapping], grad_scale: Optional[Tensor],
+          found_inf: Optional[Tensor]) -> list:
+    """Check a step's arguments, gradients and scheduled values, before anything changes (the
+    states: :meth:`halfadam.state.ParamStates.sort`); one ``(group, hp, after, pairs)`` per group:
+    the hyperparameters of this step, those ``group`` shows after it (``after``: the next step's
+    scheduled values) and its ``(param, grad)`` pairs. Raises the errors :meth:`_AdamBase.step` lists."""
+    if grads is not None and not isinstance(grads, Mapping):
+        raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
+    for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if value is not None and not (isinstance(value, Tensor) and value.numel() == 1
+                                      and value.is_floating_point()):
+            raise TypeError(f"{name} must be None or a 1-element floating tensor, got {value!r}")
+    plan, matched = [], 0  # matched: keys of grads that are this optimizer's parameters
+    for gi, group in enumerate(opt.param_groups):
+        where = f"param_groups[{gi}]"
+        _warn_if_overridden(opt, group, where)
+        check_step_keys(group, where, opt._valid_keys)  # every group's, before any group steps
+        step = group["global_step"]
+        lr = hyperparams.resolve(group, "lr", where, step)
+        weight_decay = hyperparams.resolve(group, "weight_decay", where, step)
+        # what group["lr"] / ["weight_decay"] show after the step: the values of the next one (a bad
+        # value there is the next step's error, not this one's)
+        after = {key: hyperparams.peek(group, key, step + 1) for key in ("lr", "weight_decay")
+                 if group.get(f"{key}_schedule") is not None}
+        if grads is None:
+            pairs = [(p, p.grad) for p in group["params"]]
+        else:
+            pairs = [(p, grads[p]) for p in group["params"] if p in grads]
+            matched += len(pairs)
+        pairs = [pg for pg in pairs if pg[1] is not None]
+        check_pairs(pairs, group["params"], where)
+        if opt.capturable:
+            check_capturable(pairs, group["params"], where, lambda p: opt._states.use_master(p, group))
+        beta1, beta2 = group["betas"]
+        hp = Hyperparameters(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                             weight_decay=weight_decay, decay=group["decay"],
+                             optimized_update=group["optimized_update"])
+        plan.append((group, hp, after, pairs))
+    if grads is not None and matched != len(grads):
+        raise_foreign_key(grads, opt.param_groups)
+    return plan
+
+
+@torch.compiler.disable
+def _run_group(opt: _AdamBase, group: Dict[str, Any], work: tuple, hp: Hyperparameters,
+               grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
+    """Dispatch one group's step: buckets to the flat path, everything else to the reference.
+
+    The parameters of a bucket that have a gradient this step (all of them, or a subset: frozen
+    or unused parameters leave gaps) go to one flat step when their step counts agree. Never
+    traced by an outer ``torch.compile`` (``torch.compile(opt.step)``, a compiled train step):
+    the update runs halfadam's own kernels, called through a graph break, so it is the same
+    update, compiled the way it must be (see :func:`halfadam.functional.sync_master_`).
+    """
+    layout, (per_bucket, rest, new) = work  # ParamStates.sort
+    opt._states.init_group(group, new)
+    for bucket in () if layout is None else layout.buckets:
+        items = per_bucket.get(id(bucket))
+        if not items:
+            continue
+        items.sort(key=lambda item: item[0])
+        if opt.capturable:  # the step counts stay on the device: one launch whatever they are
+            capturable_step(bucket, items, hp, opt.implementation, grad_scale, found_inf)
+            continue
+        # One step count: one flat step. Step counts that diverged (a parameter without a gradient
+        # at some step: an unused expert, a frozen-then-thawed layer): one flat step per count, so
+        # that state["step"] keeps torch's per-parameter meaning (bias corrections per parameter).
+        if bucket.steps_uniform(None if len(items) == len(bucket.params) else [i for i, _ in items]):
+            flat_step(bucket, items, hp, opt.implementation, grad_scale)
+        else:
+            counts = bucket.steps[[i for i, _ in items]].tolist()
+            for count in sorted(set(counts)):
+                flat_step(bucket, [it for it, c in zip(items, counts) if c == count], hp, opt.implementation,
+                          grad_scale)
+    if rest:
+        offsets = [flat_offset(p) for p, _ in rest]  # a shard's first element in its parameter
+        local_pairs, local_state = localize(rest, opt.state)
+        if opt.implementation in ("auto", "triton", "cpp") and any(is_dtensor(p) for p, _ in rest):
+            # FSDP2's local shards: the C++ kernel (CPU) or the Triton one (GPU) where it runs
+            left = shard_step(local_pairs, local_state, hp, opt.implementation, grad_scale,
+                              opt.state_format, offsets)
+            local_pairs, offsets = [local_pairs[k] for k in left], [offsets[k] for k in left]
+        if local_pairs:
+            reference_step(local_pairs, local_state, hp, grad_scale, opt.state_format, offsets)
+
+
+def _warn_if_overridden(opt: _AdamBase, group: Dict[str, Any], where: str) -> None:
+    """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
+    torch ``lr_scheduler``): the schedule sets it at every step, so that change has no effect."""
+    written = opt._written.get(id(group))
+    if written is None or opt._override_warned:
+        return
+    for key, value in zip(("lr", "weight_decay"), written):
+        if group.get(f"{key}_schedule") is not None and group[key] != value:
+            opt._override_warned = True
+            warnings.warn(
+                f"{where}['{key}'] was changed outside the optimizer (by a torch lr_scheduler?), but this "
+                f"{key} is a schedule of the global step, which sets it at every step: the change has no "
+                f"effect", UserWarning, stacklevel=4)
 
 
 class AdamW(_AdamBase):
