@@ -148,7 +148,7 @@ def foreign(param: Tensor, state: dict) -> bool:
 
 def readable(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> bool:
     """Whether ``param``'s state passes :func:`check_state` (a rebuild leaves one that does not as it is,
-    outside the buckets, for the step that reads it to refuse by name)."""
+    outside the buckets, for the step that reads it to refuse by name; a load replaces it)."""
     try:
         states.check_state(param, group)
     except ValueError:

@@ -59,6 +59,7 @@ from . import encodings, hyperparams
 from ._dtensor import flat_offset, like_param, local
 from .functional import DECAY_MODES
 from .state import REMAINDER_DTYPE
+from .state_checks import readable
 
 __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_state_dict",
            "load_optimizer_state_dict", "to_torch_state_dict", "master_state_dict"]
@@ -629,12 +630,7 @@ def _drop_unfillable(optimizer: torch.optim.Optimizer, loads: List[_ParamLoad]) 
         state = optimizer.state.get(load.param)
         if not state:
             continue
-        try:
-            states.check_state(load.param, optimizer.param_groups[load.group_index])
-            fillable = holders[id(state)] == 1
-        except ValueError:
-            fillable = False
-        if not fillable:
+        if holders[id(state)] > 1 or not readable(states, load.param, optimizer.param_groups[load.group_index]):
             optimizer.state.pop(load.param)
 
 
