@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from halfadam import executions, functional  # noqa: E402
+from halfadam import encodings, executions, functional  # noqa: E402
 
 
 def _without_sync(weight, grad, exp_avg, exp_avg_sq, out, coefficients, grad_scale, decay, optimized_update):
@@ -60,10 +60,10 @@ def main() -> None:
             param, grad = master.to(dtype), (torch.randn(n, device=dev) * 1e-3).to(dtype)
             m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
             state = {"master_weight": master, "exp_avg": m, "exp_avg_sq": v}
-            fp32_state = dict(master="fp32", exp_avg=torch.float32, exp_avg_sq=torch.float32)
             runs[f"with sync {str(dtype)[6:]}"] = (lambda fn=kernels["with sync"], state=state, grad=grad, param=param:
-                                                  fn(state, grad, param, coefficients, seed, None, None, **fp32_state,
-                                                     decay="decoupled", optimized_update=False))
+                                                  fn(state, grad, param, coefficients, seed, None,
+                                                     fmt=encodings.StateFormat(), rule=functional.ADAM,
+                                                     flags=(False, False)))
             runs[f"without sync {str(dtype)[6:]}"] = (lambda fn=kernels["without sync"], master=master, grad=grad, m=m,
                                                      v=v, param=param: fn(master, grad, m, v, param, coefficients, None,
                                                                           decay="decoupled", optimized_update=False))

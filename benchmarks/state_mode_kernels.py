@@ -20,7 +20,7 @@ import torch
 
 from halfadam import encodings as E
 from halfadam import executions as X
-from halfadam.functional import adam_coefficients
+from halfadam.functional import ADAM, adam_coefficients
 from halfadam.kernels import cpp as cpu_kernel
 
 FORMATS = {
@@ -56,8 +56,7 @@ def main() -> None:
         stored.update({k: torch.zeros(n // E.BLOCK, dtype=dt) for k, dt in E.block_keys(fmt, True).items()})
         if "master_weight" in stored:
             stored["master_weight"].copy_(param)
-        kwargs = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay="decoupled",
-                      optimized_update=False)
+        kwargs = dict(fmt=fmt, rule=ADAM, flags=(False, False))
         seed = E.random_seed(fmt, 3, device)
         if args.impl == "cpp":
             kernel, floats = cpu_kernel.load(), [float(c) for c in coefficients]

@@ -1,9 +1,11 @@
 """Compile the Triton kernel for an NVIDIA GPU without one: every variant the optimizer launches, down
 to PTX and a cubin for ``--arch`` (default 90: H100/H200), and check the arithmetic the bitwise claim
 rests on: IEEE divisions and square roots (``div.rn.f32``, ``sqrt.rn.f32``; no ``div.full``/``approx``),
-and no fused multiply-add but the four per element of the division by ``sqrt(1 - beta2**t)`` (two
+and no fused multiply-add but the four per element of Adam's division by ``sqrt(1 - beta2**t)`` (two
 Markstein correction steps, ``kernels/triton.py``'s ``_div_by_coefficient``; none with
-``optimized_update``, which has no such division).
+``optimized_update``, which has no such division, nor in SGD's and Lion's variants, which divide nothing).
+Adam's variants come first; then SGD's (with and without momentum) and Lion's (:func:`rule_variants`, their
+lines named by the rule), whose counts per state mode are summarised before Adam's.
 
     python benchmarks/triton_compile_check.py [--arch 90]
 
@@ -49,7 +51,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from halfadam.kernels import triton as kernel  # noqa: E402
 
-_MOMENT = {0: "fp32", 1: "bf16", 2: "u8"}
+_MOMENT = {0: "fp32", 1: "bf16", 2: "u8", 3: "none"}
+#: each moment kind's pointer (an absent slot gets launch()'s dummy, the int32 scalars)
+_POINTER = {0: "*fp32", 1: "*bf16", 2: "*u8", 3: "*i32"}
 _DTYPES = {tl.float32: "fp32", tl.float16: "fp16", tl.bfloat16: "bf16"}
 _SIZE = {tl.float32: 4, tl.float16: 2, tl.bfloat16: 2}
 
@@ -63,12 +67,12 @@ def bytes_per_element(const: dict) -> float:
     """Bytes one element's update reads and writes: parameter (read, write), gradient (read), master
     (fp32: 4 + 4; split: the remainder's two bytes, both ways, and a tie byte per block; split8: one byte,
     both ways), moments (fp32
-    4 + 4, bf16 2 + 2, uint8 1 + 1 and a scale byte per block, both ways)."""
+    4 + 4, bf16 2 + 2, uint8 1 + 1 and a scale byte per block, both ways; an absent one none)."""
     block = kernel.BLOCK
     total = 2 * _SIZE[const["P_DTYPE"]] + _SIZE[const["G_DTYPE"]]
     total += {0: 0.0, 1: 8.0, 2: 4.0 + 2.0 / block, 3: 2.0}[const["MASTER"]]
     for kind in (const["M_KIND"], const["V_KIND"]):
-        total += {0: 8.0, 1: 4.0, 2: 2.0 + 2.0 / block}[kind]
+        total += {0: 8.0, 1: 4.0, 2: 2.0 + 2.0 / block, 3: 0.0}[kind]  # (3: the slot absent)
     return total
 
 
@@ -108,10 +112,11 @@ def sass_instructions(cubin: bytes) -> Tuple[int, int]:
 def signature(m_kind: int, v_kind: int) -> dict:
     sig = {"work_ptr": "*i64", "table_ptr": "*i64", "scalars_ptr": "*i32", "grad_scale_ptr": "*fp32",
            "found_inf_ptr": "*fp32", "master_ptr": "*fp32", "hi_ptr": "*i8", "lo_ptr": "*u8", "tie_ptr": "*u8",
-           "m_ptr": "*" + _MOMENT[m_kind], "v_ptr": "*" + _MOMENT[v_kind], "m_scale_ptr": "*u8",
+           "m_ptr": _POINTER[m_kind], "v_ptr": _POINTER[v_kind], "m_scale_ptr": "*u8",
            "v_scale_ptr": "*u8"}
-    for name in ("P_DTYPE", "G_DTYPE", "MASTER", "M_KIND", "V_KIND", "L2", "OPTIMIZED", "HAS_SCALE", "HAS_FOUND_INF",
-                 "SCALARS_STRIDE", "STATE_IN_TABLE", "ALIGNED", "ROWS", "CVT", "NB", "BLOCK_", "CHUNK_"):
+    for name in ("P_DTYPE", "G_DTYPE", "MASTER", "M_KIND", "V_KIND", "RULE", "L2", "OPTIMIZED", "NESTEROV",
+                 "HAS_SCALE", "HAS_FOUND_INF", "SCALARS_STRIDE", "STATE_IN_TABLE", "ALIGNED", "ROWS", "CVT", "NB",
+                 "BLOCK_", "CHUNK_"):
         sig[name] = "constexpr"
     return sig
 
@@ -119,16 +124,18 @@ def signature(m_kind: int, v_kind: int) -> dict:
 def attributes(sig: dict) -> dict:
     """What Triton's launcher tells the compiler about the arguments: every tensor (a pointer) is 16-byte
     aligned (torch allocates so; the launcher specializes on it)."""
-    names = list(kernel._adam_kernel.arg_names)
+    names = list(kernel._step_kernel.arg_names)
     return {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
 
 
 def compile_variant(const: dict, arch: int = 90, module=kernel):
-    """The compiled kernel of one variant (``const``: its constexprs but the launch shape's and CVT), for
-    ``sm_{arch}``; ``module``: kernels/triton.py, or a changed copy of it (``codes_floor.py``)."""
-    const = dict(const, CVT=True, NB=module.BLOCKS_PER_TILE, BLOCK_=module.BLOCK, CHUNK_=module.CHUNK)
+    """The compiled kernel of one variant (``const``: its constexprs but the launch shape's and CVT; without
+    ``RULE``/``NESTEROV``, Adam's), for ``sm_{arch}``; ``module``: kernels/triton.py, or a changed copy of it
+    (``codes_floor.py``)."""
+    const = dict(dict(RULE=0, NESTEROV=False), **const, CVT=True, NB=module.BLOCKS_PER_TILE, BLOCK_=module.BLOCK,
+                 CHUNK_=module.CHUNK)
     sig = signature(const["M_KIND"], const["V_KIND"])
-    src = ASTSource(fn=module._adam_kernel, signature=sig, constexprs=const, attrs=attributes(sig))
+    src = ASTSource(fn=module._step_kernel, signature=sig, constexprs=const, attrs=attributes(sig))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": module.NUM_WARPS})
 
@@ -144,7 +151,7 @@ def per_element(cubin: bytes) -> float:
 def variants():
     """Every parameter dtype with its masters and moment encodings, and each switch once; the launches with
     short blocks (``ROWS``) of every format with per-block keys for bf16 parameters, fp16 and float32
-    ones in compact, and FSDP2 shards in compact."""
+    ones in compact, and FSDP2 shards in compact (Adam's: 67); then the other rules' (:func:`rule_variants`)."""
     plain = dict(G_DTYPE=tl.float32, L2=False, OPTIMIZED=False, HAS_SCALE=False, HAS_FOUND_INF=False, SCALARS_STRIDE=0,
                  STATE_IN_TABLE=False, ALIGNED=True, ROWS=False)
     for pdt, master, mk, vk in itertools.product((tl.bfloat16, tl.float16, tl.float32), (0, 1, 2), (0, 1, 2), (0, 1, 2)):
@@ -164,6 +171,37 @@ def variants():
                                (tl.float16, 2, 2), (tl.float32, 0, 2)):
         yield dict(rows, P_DTYPE=pdt, MASTER=master, M_KIND=kinds, V_KIND=kinds)
     yield dict(rows, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, V_KIND=2, STATE_IN_TABLE=True)
+    yield from rule_variants()
+
+
+#: The other update rules (kernels/triton.py's RULE): 1 SGD (with momentum: its buffer in the exp_avg slot;
+#: without: no moment), 2 Lion (its moment in the exp_avg slot); never an exp_avg_sq slot (kind 3: absent)
+SGD, LION, NONE = 1, 2, 3
+_RULE_NAMES = {1: "sgd", 2: "lion"}
+_MASTERS = {1: "fp32", 2: "split", 3: "split8"}
+
+
+def rule_variants():
+    """SGD with momentum and Lion in each state mode for bf16 parameters (MODES' masters and exp_avg kinds);
+    SGD without momentum over each master and float32 parameters; each rule's float16 and float32
+    parameters, its switches once (SGD: weight decay, nesterov), FSDP2 shards, rows that end in a short block."""
+    plain = dict(G_DTYPE=tl.float32, L2=False, OPTIMIZED=False, NESTEROV=False, HAS_SCALE=False, HAS_FOUND_INF=False,
+                 SCALARS_STRIDE=0, STATE_IN_TABLE=False, ALIGNED=True, ROWS=False, V_KIND=NONE)
+    for rule in (SGD, LION):
+        for (master, mk, _), _budget in MODES.values():
+            yield dict(plain, RULE=rule, P_DTYPE=tl.bfloat16, MASTER=master, M_KIND=mk)
+    for master in (1, 2, 3):  # SGD without momentum: no moment at all
+        yield dict(plain, RULE=SGD, P_DTYPE=tl.bfloat16, MASTER=master, M_KIND=NONE)
+    yield dict(plain, RULE=SGD, P_DTYPE=tl.float32, MASTER=0, M_KIND=NONE)
+    for rule in (SGD, LION):
+        yield dict(plain, RULE=rule, P_DTYPE=tl.float16, MASTER=2, M_KIND=2)
+        yield dict(plain, RULE=rule, P_DTYPE=tl.float32, MASTER=0, M_KIND=1)
+    base = dict(plain, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2)
+    yield dict(base, RULE=SGD, L2=True, NESTEROV=True, HAS_SCALE=True, HAS_FOUND_INF=True, SCALARS_STRIDE=10)
+    yield dict(base, RULE=LION, MASTER=1, M_KIND=1, HAS_SCALE=True, STATE_IN_TABLE=True)
+    rows = dict(plain, ALIGNED=False, ROWS=True)
+    yield dict(rows, RULE=SGD, P_DTYPE=tl.bfloat16, MASTER=3, M_KIND=2)
+    yield dict(rows, RULE=LION, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, MASTER=2, M_KIND=2, STATE_IN_TABLE=True)
 
 
 #: The state modes' variants for bf16 parameters (float32 gradients, as GradScaler hands them over) and
@@ -174,9 +212,16 @@ MODES = {"fp32": ((1, 0, 0), 130), "split": ((2, 0, 0), 150), "bf16": ((2, 1, 1)
 
 def check(arch: int) -> int:
     failures = 0
-    per_mode = {}
+    per_mode, per_rule_mode = {}, {}
     for const in variants():
-        name = (f"{_DTYPES[const['P_DTYPE']]} grad={_DTYPES[const['G_DTYPE']]} master={const['MASTER']} "
+        rule = const.get("RULE", 0)
+        label = ""  # Adam's lines as they were; the other rules' named
+        if rule == SGD:
+            label = f"sgd {'momentum' if const['M_KIND'] != NONE else 'no-momentum'}"
+            label += f"{' nesterov' if const['NESTEROV'] else ''}: "
+        elif rule != 0:
+            label = f"{_RULE_NAMES[rule]}: "
+        name = (f"{label}{_DTYPES[const['P_DTYPE']]} grad={_DTYPES[const['G_DTYPE']]} master={const['MASTER']} "
                 f"m={_MOMENT[const['M_KIND']]} "
                 f"v={_MOMENT[const['V_KIND']]} l2={const['L2']} scale={const['HAS_SCALE']} "
                 f"found_inf={const['HAS_FOUND_INF']} per-tensor={const['SCALARS_STRIDE'] > 0} "
@@ -192,7 +237,8 @@ def check(arch: int) -> int:
         fma = len(re.findall(r"\bfma\.\S*f32", ptx))
         # the only fused multiply-adds: the division by sqrt(1 - beta2**t)'s two Markstein steps, 4 per element
         # of a tile (kernels/triton.py: _div_by_coefficient)
-        fma_expected = 0 if const["OPTIMIZED"] else 4 * kernel.TILE // (kernel.NUM_WARPS * 32)
+        # (SGD and Lion divide nothing: none)
+        fma_expected = 0 if const["OPTIMIZED"] or rule != 0 else 4 * kernel.TILE // (kernel.NUM_WARPS * 32)
         bad = approx or fma != fma_expected or not out.asm.get("cubin")
         failures += bool(bad)
         speed = ""
@@ -205,11 +251,20 @@ def check(arch: int) -> int:
             plain = const["ALIGNED"] and not (const["L2"] or const["HAS_SCALE"] or const["STATE_IN_TABLE"]
                                               or const["ROWS"])
             for mode, (kinds, budget) in MODES.items():
-                if plain and const["P_DTYPE"] == tl.bfloat16 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
+                if not (plain and const["P_DTYPE"] == tl.bfloat16):
+                    continue
+                if rule == 0 and (const["MASTER"], const["M_KIND"], const["V_KIND"]) == kinds:
                     per_mode[mode] = (count, budget, issue_ns / mem_ns)
+                elif rule != 0 and const["MASTER"] == kinds[0] and const["M_KIND"] == kinds[1]:
+                    per_rule_mode.setdefault(label[:-2], {})[mode] = count
+                elif rule != 0 and const["MASTER"] == kinds[0] and const["M_KIND"] == NONE:  # (by its master)
+                    per_rule_mode.setdefault(label[:-2], {})[_MASTERS[const["MASTER"]] + " master"] = count
         print(f"{'FAIL' if bad else 'ok  '} {name}: div.rn {ptx.count('div.rn.f32')}, sqrt.rn {ptx.count('sqrt.rn.f32')}, "
               f"approximate {approx}, fma {fma} (expected {fma_expected}), cubin {len(out.asm.get('cubin', b''))} B"
               f"{speed}")
+    print(f"other rules, state modes, bf16 parameters, fp32 gradients, sm_{arch}: SASS instructions per element:")
+    for rule, counts in per_rule_mode.items():
+        print(f"- {rule:16s} " + ", ".join(f"{mode} {count:.0f}" for mode, count in counts.items()))
     print(f"state modes, bf16 parameters, fp32 gradients, sm_{arch}: SASS instructions per element (target), "
           f"issue/memory time on an H200:")
     for mode, (count, budget, ratio) in per_mode.items():

@@ -17,6 +17,8 @@ import math
 import pytest
 import torch
 
+from halfadam.functional import ADAM
+
 import halfadam
 from halfadam import encodings as E
 from halfadam.kernels import cpp as cpu_kernel
@@ -146,7 +148,7 @@ def _step_both(kernel, fmt, stored, params, grads, layout, coefficients, step, d
     for k, (p, g) in enumerate(zip(ref_params, grads)):
         if p.numel():
             views = _views(ref, offsets[k], block_offsets[k], tuple(p.shape), counts[k])
-            E.update_param_(fmt, p, views, g, coefficients, step, decay=decay, optimized_update=optimized,
+            E.update_param_(fmt, p, views, g, coefficients, step, rule=ADAM, flags=(decay == "l2", optimized),
                             offset=FLAT_POSITIONS[k])
     out, out_params = {k: v.clone() for k, v in stored.items()}, [p.clone() for p in params]
     kernel.adam_step(out_params, grads, out, offsets, block_offsets, lengths, list(coefficients), None,

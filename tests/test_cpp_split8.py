@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 
+from halfadam.functional import ADAM
+
 import halfadam
 from halfadam import encodings as E
 from halfadam.kernels import cpp as cpu_kernel
@@ -106,8 +108,8 @@ def _step_both(kernel, fmt, stored, p, g, coefficients, step, decay, optimized, 
     if grad_scale is not None:
         gf = gf * grad_scale
     assert fmt.stochastic  # a split8 master always draws random bits
-    E.encoded_update_(ref, ref_p, gf, coefficients, torch.tensor(step), master=fmt.master, exp_avg=fmt.exp_avg,
-                      exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized)
+    E.encoded_update_(ref, ref_p, gf, coefficients, torch.tensor(step), fmt=fmt, rule=ADAM,
+                      flags=(decay == "l2", optimized))
     out, out_p = {k: v.clone() for k, v in stored.items()}, p.clone()
     kernel.adam_step([out_p], [g], out, [0], [0], [n], list(coefficients), grad_scale, decay == "l2", optimized,
                      step, [position])
@@ -338,7 +340,8 @@ def test_rows_with_short_blocks_in_flat_buffers_are_the_spec(fmt, lanes):
         for k, (p, g) in enumerate(zip(ref_params, grads)):
             if p.numel():
                 E.update_param_(fmt, p, _views(ref, offsets[k], block_offsets[k], tuple(p.shape), counts[k]), g,
-                                coefficients, step, decay=decay, optimized_update=optimized, offset=FLAT_POSITIONS[k])
+                                coefficients, step, rule=ADAM, flags=(decay == "l2", optimized),
+                                offset=FLAT_POSITIONS[k])
         out, out_params = {k: v.clone() for k, v in stored.items()}, [p.clone() for p in params]
         kernel.adam_step(out_params, grads, out, offsets, block_offsets, lengths, list(coefficients), None,
                          decay == "l2", optimized, step, FLAT_POSITIONS)

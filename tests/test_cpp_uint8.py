@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from halfadam.functional import ADAM
+
 import halfadam
 from halfadam import encodings as E
 from halfadam import executions
@@ -276,8 +278,8 @@ def _step_both(kernel, fmt, stored, p, g, coefficients, step, decay, optimized, 
     if grad_scale is not None:
         gf = gf * grad_scale
     seed = torch.tensor(step) if fmt.stochastic or torch.uint8 in (fmt.exp_avg, fmt.exp_avg_sq) else None
-    E.encoded_update_(ref, ref_p if has_master else None, gf, coefficients, seed, master=fmt.master,
-                      exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=decay, optimized_update=optimized)
+    E.encoded_update_(ref, ref_p if has_master else None, gf, coefficients, seed, fmt=fmt,
+                      rule=ADAM, flags=(decay == "l2", optimized))
     out = {k: v.clone() for k, v in stored.items()}
     out_p = p.clone()
     kernel.adam_step([out_p], [g], out, [0], [0], [n], list(coefficients), grad_scale, decay == "l2", optimized,

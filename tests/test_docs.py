@@ -178,7 +178,7 @@ def _api_html(site: Path) -> dict[str, str]:
 
 
 def test_api_pages_show_no_private_base(site):
-    """No class lists a private base (``Bases: _AdamBase``): docs/_ext/public_bases.py shows its
+    """No class lists a private base (``Bases: _Engine``): docs/_ext/public_bases.py shows its
     public bases instead, so AdamW, Adam and AdamFP16 show torch's Optimizer."""
     shown = {}
     for name, text in _api_html(site).items():

@@ -144,7 +144,8 @@ def test_shards_are_checked_and_fall_back_to_the_reference_path(broken, monkeypa
     state = {p: encodings.new_state(fmt, p, True) for p in params}
     for st in state.values():
         st["step"] = torch.tensor(0.0)
-    hp = executions.Hyperparameters(1e-3, 0.9, 0.999, 1e-8, 0.1, "decoupled", False)
+    hp = executions.Hyperparameters(1e-3, 0.1, beta1=0.9, beta2=0.999, eps=1e-8, decay="decoupled",
+                                    optimized_update=False)
     pairs = [(p, torch.ones_like(p)) for p in params]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -293,8 +294,8 @@ def test_compare_names_the_first_difference():
 
 
 def test_the_synthetic_set_holds_the_hard_values():
-    config = selfcheck.Config("cpp", "cpu", torch.bfloat16, torch.bfloat16, PRESETS["fp32"], True, "decoupled",
-                              False, True)
+    config = selfcheck.Config("cpp", "cpu", torch.bfloat16, torch.bfloat16, PRESETS["fp32"], True, "adam",
+                              True)
     case = selfcheck.synthetic_set(config, torch.device("cpu"))
     p = torch.cat([q.detach().reshape(-1).float() for q in case["params"]])
     g = torch.cat([q.reshape(-1).float() for q in case["all_grads"][0] + case["all_grads"][1]])
@@ -333,8 +334,10 @@ def test_doctor_reports_a_wrong_kernel_and_exits_1(monkeypatch, capsys):
     assert main(["doctor", "--no-timing"]) == 1
     text = capsys.readouterr().out
     assert "DIFFERS" in text and "exp_avg" in text and "please report" in text
-    assert "0 of 20 configurations agree" in text
-    assert len(selfcheck.results()) == 20  # the earlier verdict kept, the doctor's added
+    # exp_avg is Adam's and Lion's: their 26 configurations differ; SGD's 9 (momentum_buffer, or none) agree
+    assert "9 of 35 configurations agree" in text
+    assert len(selfcheck.results()) == 35  # the earlier verdict kept, the doctor's added
+    assert {c.rule.split(",")[0] for c, v in selfcheck.results().items() if not v.agrees} == {"adam", "lion"}
 
 
 def test_doctor_says_when_no_kernel_was_checked(monkeypatch, capsys):

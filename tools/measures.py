@@ -28,7 +28,7 @@ LAYERS = [
     ["param_groups", "state", "state_checks"],
     ["executions", "selfcheck"],
     ["state_dict", "_dcp_io"],
-    ["optimizer"],
+    ["optimizer", "sgd", "lion"],
     ["distributed"],
     ["handover"],
     ["scaler"],

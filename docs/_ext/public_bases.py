@@ -1,6 +1,6 @@
 """Griffe extension for the API reference: the bases a class shows are public ones.
 
-A class such as ``AdamW(_AdamBase)`` would show ``Bases: _AdamBase``, a name the user cannot
+A class such as ``AdamW(_Engine)`` would show ``Bases: _Engine``, a name the user cannot
 import and that has no page. This records, for every class of the package, its bases with each
 private one (a name starting with ``_``, resolved within the loaded package) replaced by that
 class's own bases, recursively: ``AdamW`` shows ``torch.optim.Optimizer``, a schedule derived from

@@ -1,6 +1,6 @@
 """halfadam: Adam/AdamW for float16/bfloat16 parameters with fp32 master weights.
 
-Public API: :class:`AdamW`, :class:`Adam`, :class:`AdamFP16`, :class:`WeightDecay`,
+Public API: :class:`AdamW`, :class:`Adam`, :class:`AdamFP16`, :class:`WeightDecay`, :class:`SGD`, :class:`Lion`,
 :class:`GradScaler`, :class:`CheckpointError`; the learning-rate schedules in :mod:`halfadam.schedules`; checkpoint helpers in
 :mod:`halfadam.checkpoint`; torch.distributed helpers in :mod:`halfadam.distributed`.
 
@@ -15,16 +15,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and the API docs
     from . import checkpoint, distributed, schedules
+    from .lion import Lion
     from .optimizer import Adam, AdamFP16, AdamW, WeightDecay
+    from .sgd import SGD
     from .scaler import GradScaler
     from .state_dict import CheckpointError
 
-__all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay", "GradScaler", "CheckpointError", "schedules", "checkpoint",
+__all__ = ["AdamW", "Adam", "AdamFP16", "WeightDecay", "SGD", "Lion", "GradScaler", "CheckpointError", "schedules", "checkpoint",
            "distributed"]
 __version__ = "0.1.0"
 
 #: Each public name -> the module that defines it (a submodule's own name: the submodule).
-_HOMES = {"AdamW": ".optimizer", "Adam": ".optimizer", "AdamFP16": ".optimizer", "WeightDecay": ".optimizer",
+_HOMES = {"AdamW": ".optimizer", "Adam": ".optimizer", "AdamFP16": ".optimizer", "WeightDecay": ".optimizer", "SGD": ".sgd", "Lion": ".lion",
           "GradScaler": ".scaler", "CheckpointError": ".state_dict", "schedules": ".schedules",
           "checkpoint": ".checkpoint", "distributed": ".distributed"}
 

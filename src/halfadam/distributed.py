@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ._dtensor import is_dtensor, local, localize  # noqa: F401  (public here: halfadam.distributed.local...)
-from .optimizer import _AdamBase
+from .optimizer import _Engine
 from .state_dict import CheckpointError
 
 __all__ = [
@@ -85,10 +85,10 @@ def halfadam_optimizer(optimizer: Any) -> Optional[Any]:
     (``.optim``) for a ``torch.distributed.optim.ZeroRedundancyOptimizer`` built with a halfadam
     ``optimizer_class``.
     """
-    if isinstance(optimizer, _AdamBase):
+    if isinstance(optimizer, _Engine):
         return optimizer
     inner = getattr(optimizer, "optim", None)
-    if isinstance(inner, _AdamBase):
+    if isinstance(inner, _Engine):
         try:
             from torch.distributed.optim import ZeroRedundancyOptimizer
         except Exception:  # pragma: no cover
@@ -388,12 +388,20 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
                               f"top-level keys are {tops}; pass the key it was saved under")
     prefix = f"{key}.state."
     saved = {name: meta for name, meta in saved_keys.items() if name.startswith(prefix)}
-    fmt = _saved_format(saved) if saved else opt.state_format
+    fmt = _saved_format(saved, opt.state_format.moments) if saved else opt.state_format
     if fmt == opt.state_format and not staging:
         return opt
-    groups = [{"params": g["params"], "master_weights": g["master_weights"]} for g in opt.param_groups]
-    layout = type(opt)(groups, lr=1e-3, implementation="reference", store_param_remainders=fmt.master != "fp32",
-                       exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
+    # the same class, rule and groups (their rule keys: SGD's momentum decides its moments), built by the
+    # engine's constructor, whose arguments every rule's class shares
+    keys = tuple(dict.fromkeys((*opt._parsers, *opt._required)))
+    groups = [{"params": g["params"], "master_weights": g["master_weights"], **{k: g[k] for k in keys if k in g}}
+              for g in opt.param_groups]
+    layout = type(opt).__new__(type(opt))
+    _Engine.__init__(layout, groups, lr=1e-3, learning_rate=None, weight_decay=0.0,
+                     options={k: opt.defaults[k] for k in keys if k in opt.defaults}, master_weights=None,
+                     implementation="reference", store_param_remainders=fmt.master != "fp32",
+                     exp_avg_dtype=fmt.exp_avg, exp_avg_sq_dtype=fmt.exp_avg_sq)
+    layout.rule = opt.rule
     layout.state_format = fmt  # an earlier release's codes (fmt.legacy): only loaded into, then converted
     return layout
 
@@ -434,22 +442,25 @@ def _nest(tree: Dict[str, Any], dotted: str, value: Any, where: str) -> None:
     tree[leaf] = value
 
 
-def _saved_format(saved: Dict[str, Any]) -> Any:
+def _saved_format(saved: Dict[str, Any], moments: Tuple[Tuple[str, str], ...]) -> Any:
     """The state format of a checkpoint's optimizer state, from its DCP metadata (``saved``: its
-    ``<key>.state.*`` entries)."""
-    from .encodings import StateFormat, codes_of, master_of, scale_key
+    ``<key>.state.*`` entries), for an update rule keeping ``moments`` (``(key, kind)``: the loading
+    optimizer's ``state_format.moments``)."""
+    from .encodings import SIGNED, SQUARE, StateFormat, codes_of, master_of, scale_key
 
     fields = {name.rsplit(".", 1)[-1] for name in saved}
     codes = codes_of(fields)
 
-    def moment(name: str) -> torch.dtype:
-        if scale_key(name, codes) in fields:
+    def moment(name: str, kind: str) -> torch.dtype:
+        if scale_key(name, codes, kind) in fields:
             return torch.uint8
         dtypes = {getattr(getattr(meta, "properties", None), "dtype", None) for key_, meta in saved.items()
                   if key_.endswith(f".{name}")}
         return torch.bfloat16 if torch.bfloat16 in dtypes else torch.float32
 
-    return StateFormat(master_of(fields), moment("exp_avg"), moment("exp_avg_sq"), codes=codes)
+    dtypes = {kind: moment(name, kind) for name, kind in moments}
+    return StateFormat(master_of(fields), dtypes.get(SIGNED, torch.float32), dtypes.get(SQUARE, torch.float32),
+                       codes=codes, moments=tuple(moments))
 
 
 def set_optimizer_state_dict(model: torch.nn.Module, optimizer: Any, optim_state_dict: Dict[str, Any], *,

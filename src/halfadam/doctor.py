@@ -166,6 +166,7 @@ def _check_all(torch, devices, out) -> Tuple[int, int]:
         before = set(selfcheck.results())
         cases = [(halfadam.AdamW, mode, dtype, False) for mode in PRESETS for dtype in DTYPES]
         cases += [(halfadam.Adam, mode, "bfloat16", True) for mode in PRESETS]  # L2 decay, a loss scale
+        cases += [(cls, mode, "bfloat16", False) for cls in (_nesterov_sgd, _plain_sgd, halfadam.Lion) for mode in PRESETS]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # reported below, with the rest
             for cls, mode, dtype, scaled in cases:
@@ -176,11 +177,21 @@ def _check_all(torch, devices, out) -> Tuple[int, int]:
         seconds = sum(v.seconds for v in verdicts)
         out(f"  {device} {kernel}: {len(verdicts) - len(bad)} of {len(verdicts)} configurations agree "
             f"({seconds * 1e3:.0f} ms, {seconds * 1e3 / max(len(verdicts), 1):.0f} ms each)")
-        out(f"    ({len(PRESETS)} state modes x {len(DTYPES)} dtypes with AdamW, and bfloat16 with Adam's L2 decay and "
-            f"a loss scale; 1-D parameters are configurations of their own)")
+        out(f"    ({len(PRESETS)} state modes x {len(DTYPES)} dtypes with AdamW; in bfloat16, Adam's L2 decay with "
+            f"a loss scale, SGD (nesterov momentum; none) and Lion; 1-D parameters are configurations of their own)")
         for v in bad:
             out(f"    DIFFERS: {v.config.describe()}: {v.difference}")
     return checked, failed
+
+
+def _nesterov_sgd(params, **kw):
+    import halfadam
+    return halfadam.SGD(params, momentum=0.9, nesterov=True, **kw)
+
+
+def _plain_sgd(params, **kw):
+    import halfadam
+    return halfadam.SGD(params, **kw)
 
 
 def _one_step(torch, cls, mode: str, dtype, device, scaled: bool) -> None:

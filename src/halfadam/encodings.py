@@ -156,7 +156,7 @@ from torch import Tensor
 
 from . import _codes_20261201
 from ._dtensor import like_param, like_rows, zeros_like_rows
-from .functional import adam_elementwise_, sync_master_, written
+from .functional import ADAM, Rule, sync_master_, written
 
 __all__ = ["BLOCK", "PRESETS", "StateFormat", "state_format", "element_keys", "block_keys", "new_state",
            "decode_state", "encode_state_", "encoded_update_", "update_param_", "bytes_per_element", "state_nbytes", "for_param",
@@ -173,10 +173,20 @@ _HALF = (torch.float16, torch.bfloat16)
 CODES = "2026-12-07b"
 
 
+#: The moment kinds an update rule keeps (:attr:`halfadam.functional.Rule.moments`): a signed moment is
+#: encoded as Adam's ``exp_avg`` (sign + magnitude codes), a square one as ``exp_avg_sq``.
+SIGNED, SQUARE = "signed", "square"
+#: The code tables (:data:`_TIERS`) and random bits (:func:`_moment_bits`) of each kind, by their first user's name.
+_CODE = {SIGNED: "exp_avg", SQUARE: "exp_avg_sq"}
+
+
 @dataclass(frozen=True)
 class StateFormat:
-    """The encoding of each kind of state: ``master`` ("fp32", "split" or "split8"), ``exp_avg`` and
-    ``exp_avg_sq`` (torch.float32, torch.bfloat16 or torch.uint8)."""
+    """The encoding of each kind of state: ``master`` ("fp32", "split" or "split8"); ``exp_avg``, the dtype
+    of the rule's signed moment (Adam's ``exp_avg``, SGD's ``momentum_buffer``, Lion's ``exp_avg``), and
+    ``exp_avg_sq``, of its square one (Adam's ``exp_avg_sq``): torch.float32, torch.bfloat16 or
+    torch.uint8 (Megatron's names for the fields); ``moments``: the rule's moments, ``(key, kind)``
+    (:attr:`halfadam.functional.Rule.moments`; :meth:`for_rule`)."""
 
     master: str = "fp32"
     exp_avg: torch.dtype = torch.float32
@@ -187,6 +197,23 @@ class StateFormat:
     #: :mod:`halfadam._codes_20261201`), ``"2026-12-02"`` (``exp_avg_sq`` over 27 binades in
     #: ``exp_avg_sq_scale``, :data:`_TIERS`), ``"2026-12-07"`` (over 46 binades in ``exp_avg_sq_base``).
     codes: str = CODES
+    moments: Tuple[Tuple[str, str], ...] = ADAM.moments
+
+    def for_rule(self, moments: Tuple[Tuple[str, str], ...]) -> "StateFormat":
+        """This format for a rule keeping ``moments``: the dtype of a kind the rule does not keep is float32
+        (so SGD without momentum in ``"compact"`` is ``"split"``)."""
+        kinds = {kind for _, kind in moments}
+        return StateFormat(self.master, self.exp_avg if SIGNED in kinds else torch.float32,
+                           self.exp_avg_sq if SQUARE in kinds else torch.float32, self.codes, tuple(moments))
+
+    def dtype(self, kind: str) -> torch.dtype:
+        """The dtype a moment of ``kind`` is stored in."""
+        return self.exp_avg if kind == SIGNED else self.exp_avg_sq
+
+    @property
+    def moment_dtypes(self) -> Tuple[Tuple[str, str, torch.dtype], ...]:
+        """``(key, kind, dtype)`` of each moment."""
+        return tuple((key, kind, self.dtype(kind)) for key, kind in self.moments)
 
     @property
     def legacy(self) -> bool:
@@ -196,22 +223,22 @@ class StateFormat:
     @property
     def stochastic(self) -> bool:
         """Whether some field rounds stochastically (every bfloat16 or uint8 moment, a split8 master)."""
-        return self.exp_avg != torch.float32 or self.exp_avg_sq != torch.float32 or self.master == "split8"
+        return any(dt != torch.float32 for _, _, dt in self.moment_dtypes) or self.master == "split8"
 
     @property
     def blocked(self) -> bool:
         """Whether flat buffers start each parameter at a multiple of BLOCK: some key is per block, or
         the random bits need each element's position in its parameter (:func:`positions`)."""
-        return self.master == "split" or torch.uint8 in (self.exp_avg, self.exp_avg_sq) or self.stochastic
+        return self.master == "split" or self.stochastic
 
     @property
     def is_fp32(self) -> bool:
-        return self == StateFormat()
+        return self == StateFormat().for_rule(self.moments)
 
     def describe(self) -> str:
-        name = {v: k for k, v in PRESETS.items()}.get(self)
+        name = {v.for_rule(self.moments): k for k, v in reversed(PRESETS.items())}.get(self)
         dt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.uint8: "uint8"}
-        parts = f"master={self.master}, exp_avg={dt[self.exp_avg]}, exp_avg_sq={dt[self.exp_avg_sq]}"
+        parts = ", ".join([f"master={self.master}"] + [f"{key}={dt[d]}" for key, _, d in self.moment_dtypes])
         if self.legacy:
             parts += f", the uint8 codes of {self.codes}"
         return f"{name!r} ({parts})" if name else parts
@@ -290,7 +317,7 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     master, float32 moments), as bitsandbytes keeps 32-bit state for small tensors. So a parameter's
     format depends on its shape, never on how it is sharded."""
     if param.dtype == torch.float64:
-        return StateFormat()
+        return StateFormat().for_rule(fmt.moments)
     master = fmt.master if use_master and param.dtype in _HALF else "fp32"
     if master == "split8" and param.dtype != torch.bfloat16:
         master = "split"  # an 8-bit remainder is over bfloat16 parameters; float16 keeps 16 bits
@@ -298,26 +325,40 @@ def for_param(fmt: StateFormat, param: Tensor, use_master: bool) -> StateFormat:
     if not has_rows(tuple(param.shape)):
         master = "fp32"
         exp_avg, exp_avg_sq = (torch.float32 if dt == torch.uint8 else dt for dt in (exp_avg, exp_avg_sq))
-    return StateFormat(master, exp_avg, exp_avg_sq, fmt.codes)
+    return StateFormat(master, exp_avg, exp_avg_sq, fmt.codes, fmt.moments)
 
 
 #: Every per-element state key of any encoding (besides ``step``), and every per-block one.
-ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", "exp_avg", "exp_avg_sq")
-BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_exponent")
+#: The moment keys of the rules halfadam ships and their kinds (Adam's; SGD's ``momentum_buffer``; Lion's
+#: ``exp_avg``), for code that reads a state without its optimizer.
+MOMENT_KINDS = {"exp_avg": SIGNED, "exp_avg_sq": SQUARE, "momentum_buffer": SIGNED}
+ELEMENT_KEYS = ("master_weight", "master_hi", "master_lo", *MOMENT_KINDS)
+BLOCK_KEYS = ("master_tie", "exp_avg_scale", "exp_avg_sq_exponent", "momentum_buffer_scale")
 #: The per-block keys of earlier releases' uint8 codes (read from old checkpoints only), by release.
 LEGACY_CODE_KEYS = {"2026-12-01": ("exp_avg_absmax", "exp_avg_sq_absmax"), "2026-12-02": ("exp_avg_sq_scale",),
                     "2026-12-07": ("exp_avg_sq_base",)}
 LEGACY_BLOCK_KEYS = tuple(k for keys in LEGACY_CODE_KEYS.values() for k in keys)
 
 
-def scale_key(name: str, codes: str = CODES) -> str:
+def scale_key(name: str, codes: str = CODES, kind: Optional[str] = None) -> str:
     """The per-block key of moment ``name``'s uint8 codes of release ``codes`` (:data:`BLOCK_KEYS`, or
-    :data:`LEGACY_CODE_KEYS`: each later release renamed only ``exp_avg_sq``'s)."""
+    :data:`LEGACY_CODE_KEYS`: each later release renamed only ``exp_avg_sq``'s): ``<name>_scale`` for a
+    signed moment, ``<name>_exponent`` for a square one (``kind``; by default Adam's: ``exp_avg_sq`` square)."""
     if codes == "2026-12-01":
         return f"{name}_absmax"
-    if name == "exp_avg_sq":
-        return LEGACY_CODE_KEYS[codes][0] if codes in LEGACY_CODE_KEYS else "exp_avg_sq_exponent"
+    if (kind or _kind(name)) == SQUARE:
+        return LEGACY_CODE_KEYS[codes][0] if codes in LEGACY_CODE_KEYS else f"{name}_exponent"
     return f"{name}_scale"
+
+
+def slot(kind: str) -> str:
+    """The kernels' slot for a moment of ``kind``: ``exp_avg`` (signed) or ``exp_avg_sq`` (square)."""
+    return _CODE[kind]
+
+
+def _kind(name: str) -> str:
+    """Adam's moments' kinds (the default where a caller names no kind)."""
+    return SQUARE if name == "exp_avg_sq" else SIGNED
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,8 +369,7 @@ def element_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
         keys.update({"master_weight": torch.float32} if fmt.master == "fp32"
                     else {"master_hi": torch.int8} if fmt.master == "split8"
                     else {"master_hi": torch.int8, "master_lo": torch.uint8})
-    keys["exp_avg"] = fmt.exp_avg
-    keys["exp_avg_sq"] = fmt.exp_avg_sq
+    keys.update((key, dtype) for key, _, dtype in fmt.moment_dtypes)
     return keys
 
 
@@ -339,9 +379,9 @@ def block_keys(fmt: StateFormat, has_master: bool) -> Dict[str, torch.dtype]:
     keys: Dict[str, torch.dtype] = {}
     if has_master and fmt.master == "split":
         keys["master_tie"] = torch.uint8
-    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+    for name, kind, dtype in fmt.moment_dtypes:
         if dtype == torch.uint8:
-            keys[scale_key(name, fmt.codes)] = torch.float32 if fmt.codes == "2026-12-01" else torch.uint8
+            keys[scale_key(name, fmt.codes, kind)] = torch.float32 if fmt.codes == "2026-12-01" else torch.uint8
     return keys
 
 
@@ -677,15 +717,19 @@ def _split8_encode_(master: Tensor, param: Tensor, hi: Tensor, rounding: Optiona
 
 
 # ---------------------------------------------------------------------------------- moments
-def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], codes: str = CODES) -> Tensor:
+def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], codes: str = CODES,
+                   kind: Optional[str] = None) -> Tensor:
+    """Moment ``stored[name]`` (of ``kind``: by default Adam's for ``name``) as float32."""
     q = stored[name]
     if dtype == torch.float32:
         return q
     if dtype == torch.bfloat16:
         return q.to(torch.float32)
+    kind = kind or _kind(name)
+    key, name = name, _CODE[kind]  # the stored key; the codes' name
     if codes == "2026-12-01":
-        return _codes_20261201.decode(name, q, stored[f"{name}_absmax"])
-    base = stored[scale_key(name, codes)].to(torch.int32).view(-1, 1)
+        return _codes_20261201.decode(name, q, stored[f"{key}_absmax"])
+    base = stored[scale_key(key, codes, kind)].to(torch.int32).view(-1, 1)
     code = q.to(torch.int32).view(-1, BLOCK)
     k = code & _MAGNITUDE_MASK[name]
     value = _decode_magnitude(k, base, _tiers_name(name, codes))
@@ -695,18 +739,22 @@ def _decode_moment(dtype: torch.dtype, name: str, stored: Dict[str, Tensor], cod
     return torch.where(k == _NAN_CODE[name], math.nan, value).view(-1)
 
 
-def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], bits: Optional[Tensor]) -> None:
+def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, Tensor], bits: Optional[Tensor],
+                    kind: Optional[str] = None) -> None:
     """Encode float32 ``x`` (flat; a multiple of BLOCK long for uint8) into ``stored[name]`` (and its
-    scale), any float included: nan and +-inf decode as themselves (``exp_avg_sq``: -inf as nan).
-    ``bits``: the elements' random bits (:func:`_random_bits`) when ``dtype`` rounds stochastically."""
+    scale), any float included: nan and +-inf decode as themselves (a square moment: -inf as nan).
+    ``bits``: the elements' random bits (:func:`_random_bits`) when ``dtype`` rounds stochastically;
+    ``kind``: the moment's (by default Adam's for ``name``)."""
     if dtype == torch.float32:
         return  # updated in place
+    kind = kind or _kind(name)
+    key, name = name, _CODE[kind]  # the stored key; the codes' name
     rounding = _moment_bits(bits, name)
     if dtype == torch.bfloat16:  # stochastic rounding: add 16 random bits below bf16's, truncate
         bits = x.view(torch.int32).to(torch.int64) + rounding
         truncated = ((bits >> 16) << 16).to(torch.int32).view(torch.float32)  # exactly a bf16 value (inf kept)
         # a nan whose mantissa is near all ones would carry into the sign bit (-0.0): stored as bf16's nan
-        stored[name].copy_(torch.where(x.isnan(), math.nan, truncated).to(torch.bfloat16))
+        stored[key].copy_(torch.where(x.isnan(), math.nan, truncated).to(torch.bfloat16))
         return
     blocks = x.view(-1, BLOCK)
     base = _block_base(blocks, name)
@@ -720,16 +768,15 @@ def _encode_moment_(dtype: torch.dtype, name: str, x: Tensor, stored: Dict[str, 
     else:  # nonzero never to 0: m / sqrt(v) must not explode
         code = torch.where(blocks > 0, torch.clamp(k, min=1), 0)
         code = torch.where(finite, code, torch.where(blocks == math.inf, _INF_CODE[name], _NAN_CODE[name]))
-    stored[name].copy_(code.view(-1).to(torch.uint8))
-    stored[scale_key(name)].copy_(base.view(-1).to(torch.uint8))
+    stored[key].copy_(code.view(-1).to(torch.uint8))
+    stored[scale_key(key, CODES, kind)].copy_(base.view(-1).to(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------- the step
 def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Tensor,
                     coefficients: Tuple[Tensor, ...], seed: Optional[Tensor], *,
-                    master: str, exp_avg: torch.dtype, exp_avg_sq: torch.dtype, decay: str,
-                    optimized_update: bool) -> None:
-    """One Adam step over flat, block-padded state: decode, :func:`adam_elementwise_`, encode.
+                    fmt: StateFormat, rule: Rule, flags: Tuple[bool, bool]) -> None:
+    """One step of ``rule`` over flat, block-padded state in ``fmt``: decode, ``rule.elementwise``, encode.
 
     Args:
         stored: the state's flat tensors by key (:func:`element_keys`, :func:`block_keys`).
@@ -737,10 +784,13 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
             master-sync rule), then written with the rounded new master. ``None``: ``stored`` has no
             master and the weight is ``stored["weight"]`` (float32, updated in place).
         grad: flat float32 gradient.
-        coefficients, seed: :func:`halfadam.functional.adam_coefficients` (0-d tensors), and the step
-            as a 0-d int64 tensor (the random bits' seed; ``None`` when no moment rounds stochastically).
+        coefficients, seed: ``rule.coefficients`` (0-d tensors, or numbers), and the step as a 0-d int64
+            tensor (the random bits' seed; ``None`` when nothing rounds stochastically).
+        fmt, rule, flags: the state's format (its moments are ``rule.moments``), the update rule
+            (:class:`halfadam.functional.Rule`) and its flags (``rule.flags``).
     Every tensor is 1-D with a length that is a multiple of BLOCK when the format is blocked.
     """
+    master = fmt.master
     if param is None:
         weight = stored["weight"]
     elif master == "fp32":
@@ -750,12 +800,12 @@ def encoded_update_(stored: Dict[str, Tensor], param: Optional[Tensor], grad: Te
         weight = _split8_decode(param, stored["master_hi"])
     else:
         weight = _split_decode(param, stored["master_hi"], stored["master_lo"], stored["master_tie"])
-    m = _decode_moment(exp_avg, "exp_avg", stored)
-    v = _decode_moment(exp_avg_sq, "exp_avg_sq", stored)
-    adam_elementwise_(weight, grad, m, v, *coefficients, decay=decay, optimized_update=optimized_update)
+    moments = fmt.moment_dtypes
+    values = [_decode_moment(dtype, key, stored, kind=kind) for key, kind, dtype in moments]
+    rule.elementwise(weight, grad, values, coefficients, flags)
     bits = None if seed is None else _random_bits(positions(stored, grad.numel(), grad.device), seed)
-    _encode_moment_(exp_avg, "exp_avg", m, stored, bits)
-    _encode_moment_(exp_avg_sq, "exp_avg_sq", v, stored, bits)
+    for (key, kind, dtype), x in zip(moments, values):
+        _encode_moment_(dtype, key, x, stored, bits, kind)
     if param is not None:
         if master == "fp32":
             param.copy_(weight)
@@ -876,7 +926,7 @@ def _encode_master_(stored: Dict[str, Tensor], flat_param: Tensor, master: Tenso
 
 
 def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], grad: Tensor,
-                  coefficients: tuple, step: int, *, decay: str, optimized_update: bool, offset: int = 0) -> None:
+                  coefficients: tuple, step: int, *, rule: Rule, flags: Tuple[bool, bool], offset: int = 0) -> None:
     """:func:`encoded_update_` for one parameter and its own (not flat) state tensors; ``offset``: the
     position of its first element in the whole parameter (a shard's, :func:`halfadam._dtensor.flat_offset`)."""
     stored, flat_param, layout = _flat_copies(fmt, param, state)
@@ -887,18 +937,19 @@ def update_param_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], gra
         stored["weight"] = flat_param.to(torch.float32)
     g = _pad(grad, layout, param, torch.float32)
     encoded_update_(stored, flat_param if with_master else None, g, coefficients, random_seed(fmt, step, param.device),
-                    master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq,
-                    decay=decay, optimized_update=optimized_update)
+                    fmt=fmt, rule=rule, flags=flags)
     if not with_master:
         flat_param.copy_(stored.pop("weight"))
     _write_back(state, stored, param, flat_param, layout)
 
 
 def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
-                 names: Tuple[str, ...] = ("master_weight", "exp_avg", "exp_avg_sq")) -> Dict[str, Tensor]:
-    """``state``'s master weight (when it has one), ``exp_avg`` and ``exp_avg_sq`` (those of ``names``) as
+                 names: Optional[Tuple[str, ...]] = None) -> Dict[str, Tensor]:
+    """``state``'s master weight (when it has one) and moments (those of ``names``; all by default) as
     new float32 tensors of the parameter's shape (a split master synced with ``param``, see
     :func:`_split_decode`)."""
+    if names is None:
+        names = ("master_weight", *(key for key, _ in fmt.moments))
     stored, flat_param, layout = _flat_copies(fmt, param, state)
     out = {}
     if "master_weight" in names:
@@ -909,16 +960,16 @@ def decode_state(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor],
                                                  stored["master_tie"])
         elif "master_hi" in stored and param.dtype == torch.bfloat16:
             out["master_weight"] = _split8_decode(flat_param, stored["master_hi"])
-    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+    for name, kind, dtype in fmt.moment_dtypes:
         if name in names:
-            out[name] = _decode_moment(dtype, name, stored, fmt.codes)
+            out[name] = _decode_moment(dtype, name, stored, fmt.codes, kind)
     return {k: _unpad(v, layout).reshape(param.shape).to(torch.float32, copy=True) for k, v in out.items()}
 
 
 def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], values: Dict[str, Tensor],
                   step: float, offset: int = 0) -> None:
-    """Encode float32 ``values`` (``master_weight`` when ``state`` has a master, ``exp_avg``,
-    ``exp_avg_sq``; the parameter's shape) into ``state``'s tensors, in place. A split master keeps
+    """Encode float32 ``values`` (``master_weight`` when ``state`` has a master, and ``fmt``'s moments;
+    the parameter's shape) into ``state``'s tensors, in place. A split master keeps
     the master where the parameter equals its rounding and takes the parameter's value elsewhere
     (the master-sync rule), so the parameter is never changed. ``offset``: the position of the first
     element in the whole parameter (a shard's, as in :func:`update_param_`)."""
@@ -927,32 +978,33 @@ def encode_state_(fmt: StateFormat, param: Tensor, state: Dict[str, Tensor], val
         stored[POSITION] = _positions(layout, offset, param.device)
     seed = random_seed(fmt, step, param.device)
     bits = None if seed is None else _random_bits(stored[POSITION], seed)
-    for name, dtype in (("exp_avg", fmt.exp_avg), ("exp_avg_sq", fmt.exp_avg_sq)):
+    for name, kind, dtype in fmt.moment_dtypes:
         x = _pad(values[name], layout, param, torch.float32)
-        stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, bits)
+        stored[name].copy_(x) if dtype == torch.float32 else _encode_moment_(dtype, name, x, stored, bits, kind)
     if has_master(stored):
         _encode_master_(stored, flat_param, _pad(values["master_weight"], layout, param, torch.float32))
     _write_back(state, stored, None, flat_param, layout)
 
 
-def format_of(state: Dict[str, Tensor]) -> StateFormat:
+def format_of(state: Dict[str, Tensor], moments: Tuple[Tuple[str, str], ...] = ADAM.moments) -> StateFormat:
     """The format a parameter's state was stored in, read off its keys and dtypes (checkpoints carry no
-    other record). Raises ValueError for a moment dtype that is not an encoding, and for uint8 codes
-    without their per-block key (a uint8 tensor put in place of a float moment)."""
-    dtypes = []
-    for name in ("exp_avg", "exp_avg_sq"):
+    other record), for a rule keeping ``moments``. Raises ValueError for a moment dtype that is not an
+    encoding, and for uint8 codes without their per-block key (a uint8 tensor put in place of a float moment)."""
+    dtypes = {}
+    for name, kind in moments:
         dtype = state[name].dtype
         if dtype == torch.float64:
             dtype = torch.float32
         if dtype not in MOMENT_DTYPES:
             raise ValueError(f"{name} has dtype {dtype}, expected torch.float32 (or an encoding's dtype: "
                              f"torch.bfloat16, torch.uint8)")
-        dtypes.append(dtype)
-    fmt = StateFormat(master_of(state), *dtypes, codes=codes_of(state))
-    for name, dtype in zip(("exp_avg", "exp_avg_sq"), dtypes):
-        if dtype == torch.uint8 and scale_key(name, fmt.codes) not in state:
+        dtypes[kind] = dtype
+    fmt = StateFormat(master_of(state), dtypes.get(SIGNED, torch.float32), dtypes.get(SQUARE, torch.float32),
+                      codes=codes_of(state), moments=tuple(moments))
+    for name, kind, dtype in fmt.moment_dtypes:
+        if dtype == torch.uint8 and scale_key(name, fmt.codes, kind) not in state:
             raise ValueError(f"{name} has dtype torch.uint8 (8-bit codes) but the state holds no "
-                             f"{scale_key(name, fmt.codes)}, their per-block scale: give {name} in "
+                             f"{scale_key(name, fmt.codes, kind)}, their per-block scale: give {name} in "
                              f"torch.float32 or torch.bfloat16, or the codes with their scale")
     return fmt
 
@@ -978,7 +1030,7 @@ def convert_state(state: Dict[str, Tensor], param: Tensor, fmt: StateFormat, has
     """
     step = state.get("step", torch.tensor(0.0))
     old = {k: (v.to(param.device) if isinstance(v, Tensor) else v) for k, v in state.items() if k != "step"}
-    values = decode_state(format_of(old), param, old)
+    values = decode_state(format_of(old, fmt.moments), param, old)
     if master is not None:
         values["master_weight"] = master
     values.setdefault("master_weight", param.detach().to(torch.float32))
@@ -1003,7 +1055,7 @@ def set_master_(param: Tensor, state: Dict[str, Tensor], master: Tensor) -> None
     ``round(master)`` already (elements where it does not keep the parameter's value, as in
     :func:`encode_state_`). A state without a master is left alone."""
     if has_master(state):
-        stored, flat_param, layout = _flat_copies(format_of(state), param, state)
+        stored, flat_param, layout = _flat_copies(format_of(state, _moments_in(state)), param, state)
         _encode_master_(stored, flat_param, _pad(master, layout, param, torch.float32))
         _write_back(state, stored, None, flat_param, layout)
 
@@ -1031,7 +1083,12 @@ LABELLED_STEP = "halfadam_step"
 
 def has_codes(state: Dict) -> bool:
     """Whether a parameter's state (or state_dict entry) stores a moment as 8-bit codes (uint8)."""
-    return any(isinstance(state.get(k), Tensor) and state[k].dtype == torch.uint8 for k in ("exp_avg", "exp_avg_sq"))
+    return any(isinstance(state.get(k), Tensor) and state[k].dtype == torch.uint8 for k in MOMENT_KINDS)
+
+
+def _moments_in(state: Dict) -> Tuple[Tuple[str, str], ...]:
+    """The moments a state holds, of every rule halfadam ships (:data:`MOMENT_KINDS`)."""
+    return tuple((k, kind) for k, kind in MOMENT_KINDS.items() if k in state)
 
 
 def is_labelled(entry: Dict) -> bool:

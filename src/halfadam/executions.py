@@ -46,7 +46,7 @@ from .buckets import Bucket, bucket_key
 from . import encodings, selfcheck
 from .kernels import cpp as cpu_kernel
 from .encodings import StateFormat, encoded_update_, for_param, update_param_
-from .functional import adam_coefficients, adam_update_, sync_master_
+from .functional import ADAM, Rule, sync_master_
 
 __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", "capturable_step", "shard_step",
            "check_capturable", "check_implementation", "compile_available"]
@@ -55,30 +55,53 @@ __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", 
 IMPLEMENTATIONS = ("auto", "triton", "cpp", "fused", "foreach", "reference")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Hyperparameters:
-    """A parameter group's hyperparameters resolved for the current step (plain Python numbers)."""
+    """A parameter group's hyperparameters resolved for the current step (plain Python numbers): ``lr``,
+    ``weight_decay``, the update ``rule`` (:class:`halfadam.functional.Rule`, Adam's by default) and the
+    rule's own ``options`` (Adam: ``beta1``, ``beta2``, ``eps``, ``decay``, ``optimized_update``),
+    readable as attributes (``hp.beta1``)."""
 
     lr: float
-    beta1: float
-    beta2: float
-    eps: float
     weight_decay: float
-    decay: str
-    optimized_update: bool
+    rule: Rule
+    options: Tuple[Tuple[str, object], ...]
 
-    def coefficients(self, step) -> tuple:
-        """:func:`halfadam.functional.adam_coefficients` of these values at ``step`` (a number, or a
-        tensor of steps for per-parameter coefficients on the device)."""
-        return adam_coefficients(step=step, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                                 weight_decay=self.weight_decay, decay=self.decay,
-                                 optimized_update=self.optimized_update)
+    def __init__(self, lr: float, weight_decay: float = 0.0, rule: Rule = ADAM, **options: object) -> None:
+        object.__setattr__(self, "lr", lr)
+        object.__setattr__(self, "weight_decay", weight_decay)
+        object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "options", tuple(sorted(options.items())))
+
+    def __getattr__(self, name: str) -> object:
+        for key, value in object.__getattribute__(self, "options"):
+            if key == name:
+                return value
+        raise AttributeError(name)
+
+    @property
+    def flags(self) -> Tuple[bool, bool]:
+        """The rule's two kernel flags for these values (:attr:`halfadam.functional.Rule.flags`)."""
+        return self.rule.flags(dict(self.options))
+
+    def coefficients(self, step, lr=None, weight_decay=None) -> tuple:
+        """The rule's coefficients of these values at ``step`` (a number, or a tensor of steps for
+        per-parameter coefficients on the device; ``lr``/``weight_decay`` given as tensors make
+        tensors of every coefficient)."""
+        return self.rule.coefficients(step, self.lr if lr is None else lr,
+                                      self.weight_decay if weight_decay is None else weight_decay,
+                                      **dict(self.options))
+
+    def for_check(self) -> "Hyperparameters":
+        """The values the self-check steps the kernels with: the same rule and flags."""
+        return Hyperparameters(1e-3, 0.1, self.rule, **self.rule.check_options(dict(self.options)))
 
 
 def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,
                    grad_scale: Optional[Tensor] = None, fmt: StateFormat = StateFormat(),
                    offsets: Optional[List[int]] = None) -> None:
-    """The readable definition: one :func:`adam_update_` call per parameter.
+    """The readable definition: one ``hp.rule.elementwise`` call per parameter (Adam's:
+    :func:`halfadam.functional.adam_update_`'s per-element half).
 
     For a parameter with a master weight the update runs on ``state["master_weight"]`` and the result
     is copied into the parameter; for a float32 (or float64) parameter without one it runs on the
@@ -97,29 +120,17 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
         step = st["step"].item() + 1  # the step being taken; counted once its update has succeeded
         pfmt = for_param(fmt, param, encodings.has_master(st))
         if not pfmt.is_fp32:
-            update_param_(pfmt, param, st, grad, hp.coefficients(step), int(step), decay=hp.decay,
-                          optimized_update=hp.optimized_update, offset=offsets[k] if offsets else 0)
+            update_param_(pfmt, param, st, grad, hp.coefficients(step), int(step), rule=hp.rule, flags=hp.flags,
+                          offset=offsets[k] if offsets else 0)
             st["step"] += 1
             continue
         master = st.get("master_weight")
-        compute_dtype = st["exp_avg"].dtype
+        compute_dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
         if master is not None:
             sync_master_(master, param)
         weight = master if master is not None else param.to(compute_dtype)
-        adam_update_(
-            weight,
-            grad.to(compute_dtype),
-            st["exp_avg"],
-            st["exp_avg_sq"],
-            step=step,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            decay=hp.decay,
-            optimized_update=hp.optimized_update,
-        )
+        hp.rule.elementwise(weight, grad.to(compute_dtype), [st[key] for key, _ in pfmt.moments],
+                            hp.coefficients(step), hp.flags)
         if weight is not param:
             param.copy_(weight)
         st["step"] += 1
@@ -127,8 +138,8 @@ def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict]
 
 # ---------------------------------------------------------------------------------------- flat paths
 def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor], coefficients: Tuple[Tensor, ...],
-                 seed: Optional[Tensor], grad_scale: Optional[Tensor], *, master: str, exp_avg: torch.dtype,
-                 exp_avg_sq: torch.dtype, decay: str, optimized_update: bool) -> None:
+                 seed: Optional[Tensor], grad_scale: Optional[Tensor], *, fmt: StateFormat, rule: Rule,
+                 flags: Tuple[bool, bool]) -> None:
     """One bucket segment's update over flat buffers: unscale, then :func:`halfadam.encodings.encoded_update_`
     (decode the state, master sync, :func:`adam_elementwise_`, encode, write the parameter back).
 
@@ -142,8 +153,7 @@ def _flat_kernel(stored: Dict[str, Tensor], grad: Tensor, param: Optional[Tensor
     g = grad.to(torch.float32)
     if grad_scale is not None:
         g = g * grad_scale
-    encoded_update_(stored, param, g, coefficients, seed, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                    decay=decay, optimized_update=optimized_update)
+    encoded_update_(stored, param, g, coefficients, seed, fmt=fmt, rule=rule, flags=flags)
 
 
 def _describe(exc: BaseException) -> str:
@@ -250,7 +260,7 @@ def capturable_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperpa
     Raises:
         RuntimeError: the Triton kernel cannot run this bucket (``capturable=True`` runs only it).
     """
-    _uses_triton(bucket, "triton")  # raises where it cannot run (the optimizer allows only auto and triton)
+    _uses_triton(bucket, "triton", hp)  # raises where it cannot run (the optimizer allows only auto and triton)
     if not _agrees("triton", "capturable", bucket.format, bucket.has_master, bucket.dtype,
                    _launch_grad_dtype([g for _, g in items], bucket.dtype), hp, grad_scale, bucket.device):
         raise RuntimeError("capturable=True runs only the Triton kernel, and it failed its self-check on this "
@@ -280,14 +290,14 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
     subset = None if len(items) == len(bucket.params) else [i for i, _ in items]
     step = bucket.steps[items[0][0]] + 1  # the step being taken; counted once the update has succeeded
     grad_dtype = items[0][1].dtype
-    if _uses_triton(bucket, implementation):
+    if _uses_triton(bucket, implementation, hp):
         if _guarded_triton_step(implementation, bucket, items, hp, grad_scale,
                                 _triton().scalars(hp.coefficients(int(step)), int(step), device)):
             bucket.advance_steps(subset)
             return
         if _triton_failed is None:  # it failed its self-check
             implementation = "foreach"
-    kernel = _cpp_kernel(bucket.device, bucket.format, implementation)
+    kernel = _cpp_kernel(bucket.device, bucket.format, implementation, hp)
     if kernel is not None:
         if _agrees("cpp", "bucket", bucket.format, bucket.has_master, bucket.dtype, grad_dtype, hp, grad_scale, device):
             _cpp_step(kernel, bucket, items, hp, grad_scale, int(step))
@@ -295,22 +305,18 @@ def flat_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparamete
             return
         implementation = "foreach"
     f64 = dict(dtype=torch.float64, device=device)
-    coefficients = adam_coefficients(
-        step=step.to(**f64), lr=torch.tensor(hp.lr, **f64), beta1=hp.beta1, beta2=hp.beta2,
-        eps=hp.eps, weight_decay=torch.tensor(hp.weight_decay, **f64), decay=hp.decay,
-        optimized_update=hp.optimized_update)
+    coefficients = hp.coefficients(step.to(**f64), torch.tensor(hp.lr, **f64), torch.tensor(hp.weight_decay, **f64))
     seed = encodings.random_seed(bucket.format, step, device)  # None unless the format rounds stochastically
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
     fmt = bucket.format
-    rest = dict(master=fmt.master, exp_avg=fmt.exp_avg, exp_avg_sq=fmt.exp_avg_sq, decay=hp.decay,
-                optimized_update=hp.optimized_update)
+    rest = dict(fmt=fmt, rule=hp.rule, flags=hp.flags)
     grads = dict(items)
     for i, j, kind in _segments(bucket, items):
         if kind == "tails":  # rows ending in short blocks: stepped in its padded layout, eagerly
             grad = grads[i] if grad_scale is None else grads[i].to(torch.float32) * grad_scale
             update_param_(fmt, bucket.params[i], bucket.state_views(i), grad, hp.coefficients(int(step)), int(step),
-                          decay=hp.decay, optimized_update=hp.optimized_update)
+                          rule=hp.rule, flags=hp.flags)
             continue
         a, b = bucket.offsets[i], bucket.offsets[j - 1] + bucket.sizes[j - 1]
         stored = bucket.segment(i, j)
@@ -367,14 +373,14 @@ def _guarded_triton_step(implementation: str, *args) -> bool:
     return True
 
 
-def _uses_triton(bucket: Bucket, implementation: str) -> bool:
+def _uses_triton(bucket: Bucket, implementation: str, hp: Hyperparameters) -> bool:
     """Whether ``implementation`` runs the Triton kernel on ``bucket``: ``"triton"`` (raising where it
     cannot run), or ``"auto"`` on a CUDA bucket where Triton imports (one log line per device type).
 
     Raises:
         RuntimeError: ``implementation="triton"`` where the kernel cannot run (the reason is in the message).
     """
-    return implementation in ("triton", "auto") and _triton_runs(
+    return implementation in ("triton", "auto") and _runs_rule("triton", hp, implementation) and _triton_runs(
         bucket.device, implementation, lambda: f"this bucket ({bucket.device}, {bucket.format.describe()})")
 
 
@@ -415,7 +421,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         fits = (p.dtype == torch.float32 or (p.dtype in (torch.float16, torch.bfloat16) and with_master)) \
             and p.is_contiguous() and all(st[key].is_contiguous() for key in keys)
         step = int(st["step"].item()) + 1  # the step being taken
-        kernel = _cpp_kernel(p.device, pfmt, implementation) if fits else None
+        kernel = _cpp_kernel(p.device, pfmt, implementation, hp) if fits else None
         if kernel is not None and not _agrees("cpp", "shard", pfmt, with_master, p.dtype, g.dtype, hp, grad_scale,
                                               p.device):
             left.append(k)
@@ -427,6 +433,7 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
                       [offsets[k] if offsets else 0], pfmt, hp, coefficients[step], grad_scale, step)
             st["step"] += 1
         elif fits and implementation in ("auto", "triton") \
+                and _runs_rule("triton", hp, implementation) \
                 and _triton_runs(p.device, implementation, lambda: f"a parameter shard on {p.device}"):
             launches.setdefault((p.device, p.dtype, pfmt, with_master, step), []).append(k)
         else:
@@ -442,13 +449,12 @@ def shard_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp
         rows = [encodings.kernel_row_length(pfmt, tuple(p.shape), with_master) for p in params]
         sizes = [_work_size(p.numel(), r, pfmt) for p, r in zip(params, rows)]
         table = triton_kernel.tensor_table(params, grads, sizes, [0] * len(ks), [offsets[k] if offsets else 0 for k in ks],
-                                           device, rows, [0] * len(ks), states=[state[pairs[k][0]] for k in ks])
+                                           device, rows, [0] * len(ks),
+                                           states=[_slots(state[pairs[k][0]], pfmt) for k in ks])
         triton_kernel.launch(triton_kernel.work_list(sizes, device), table,
                              triton_kernel.scalars(hp.coefficients(step), step, device), {},
-                             param_dtype=dtype, grad_dtype=gdtype,
-                             master=_master_kind(pfmt, with_master), exp_avg=pfmt.exp_avg,
-                             exp_avg_sq=pfmt.exp_avg_sq, l2=hp.decay == "l2", optimized_update=hp.optimized_update,
-                             grad_scale=None if grad_scale is None else
+                             param_dtype=dtype, grad_dtype=gdtype, master=_master_kind(pfmt, with_master),
+                             **_triton_rule(pfmt, hp), grad_scale=None if grad_scale is None else
                              grad_scale.to(device=device, dtype=torch.float32).reshape(1))
         for k in ks:
             state[pairs[k][0]]["step"] += 1
@@ -460,12 +466,11 @@ def _agrees(kernel: str, layout: str, fmt: StateFormat, has_master: bool, dtype:
     """:func:`halfadam.selfcheck.kernel_agrees` for this configuration, run through ``layout``'s execution."""
     variant = f"{cpu_kernel.lanes()} lanes" if kernel == "cpp" else \
         "interpreted" if device.type == "cpu" else "compiled"
-    config = selfcheck.Config(kernel, str(device), dtype, grad_dtype, fmt, has_master, hp.decay,
-                              hp.optimized_update, grad_scale is not None, layout, variant)
+    config = selfcheck.Config(kernel, str(device), dtype, grad_dtype, fmt, has_master, hp.rule.describe(hp.flags),
+                              grad_scale is not None, layout, variant)
 
     def run(implementation: str, case: dict) -> None:  # called only by a check
-        check_hp = Hyperparameters(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decay=hp.decay,
-                                   optimized_update=hp.optimized_update)
+        check_hp = hp.for_check()
         params, grads, scale = case["params"], case["grads"], case["grad_scale"]
         if layout == "shard":
             pairs, offsets = list(zip(params, grads)), [2 * p.numel() for p in params]  # a third of 3 shards
@@ -585,23 +590,35 @@ def _triton_step(bucket: Bucket, items: List[Tuple[int, Tensor]], hp: Hyperparam
     fmt = bucket.format
     if grad_scale is not None:
         grad_scale = grad_scale.to(device=device, dtype=torch.float32).reshape(1)
-    triton_kernel.launch(work, table, scalars, bucket.flat, param_dtype=bucket.dtype,
-                         grad_dtype=gdtype, master=_master_kind(fmt, bucket.has_master), exp_avg=fmt.exp_avg,
-                         exp_avg_sq=fmt.exp_avg_sq,
-                         l2=hp.decay == "l2", optimized_update=hp.optimized_update, grad_scale=grad_scale,
-                         found_inf=found_inf)
+    triton_kernel.launch(work, table, scalars, _slots(bucket.flat, fmt), param_dtype=bucket.dtype,
+                         grad_dtype=gdtype, master=_master_kind(fmt, bucket.has_master), **_triton_rule(fmt, hp),
+                         grad_scale=grad_scale, found_inf=found_inf)
     for p, view in staged:
         p.copy_(view)
 
 
-def _cpp_kernel(device: torch.device, fmt: StateFormat, implementation: str):
+def _runs_rule(kernel: str, hp: Hyperparameters, implementation: str) -> bool:
+    """Whether ``kernel`` ("cpp" or "triton") runs ``hp.rule`` (:data:`KERNEL_RULES`).
+
+    Raises:
+        RuntimeError: ``implementation`` names ``kernel`` and it does not run the rule.
+    """
+    if hp.rule.kernel in KERNEL_RULES[kernel]:
+        return True
+    if implementation == kernel:
+        raise RuntimeError(f"implementation={kernel!r} does not run the {hp.rule.name} rule yet; use "
+                           f"implementation='auto', 'fused' or 'foreach'")
+    return False
+
+
+def _cpp_kernel(device: torch.device, fmt: StateFormat, implementation: str, hp: Hyperparameters):
     """The C++ kernel module if ``implementation`` runs it on parameters on ``device`` in ``fmt``, else ``None``.
 
     Raises:
         RuntimeError: ``implementation="cpp"`` and ``device`` is not the CPU, or the kernel is
-            unavailable here (the reason is in the message).
+            unavailable here, or it does not run the rule (the reason is in the message).
     """
-    if implementation not in ("cpp", "auto"):
+    if implementation not in ("cpp", "auto") or not _runs_rule("cpp", hp, implementation):
         return None
     if device.type != "cpu":
         if implementation == "cpp":
@@ -638,8 +655,38 @@ def _cpp_call(kernel, params: List[Tensor], grads: List[Tensor], flat: Dict[str,
     their whole parameters, empty for 0."""
     if grad_scale is not None:
         grad_scale = grad_scale.to(device="cpu", dtype=torch.float32).reshape(())
-    kernel.adam_step(params, grads, flat, offsets, block_offsets, row_lengths, coefficients, grad_scale,
-                     hp.decay == "l2", hp.optimized_update, step, positions)
+    kernel.adam_step(params, grads, _slots(flat, fmt), offsets, block_offsets, row_lengths, coefficients, grad_scale,
+                     *hp.flags, step, positions, hp.rule.kernel)
+
+
+#: The rules (:attr:`halfadam.functional.Rule.kernel`) each hand-written kernel runs.
+KERNEL_RULES = {"cpp": (0, 1, 2), "triton": (0, 1, 2)}
+
+
+def _slots(stored: Dict[str, Tensor], fmt: StateFormat) -> Dict[str, Tensor]:
+    """``stored`` with the rule's moments under the kernels' slot names: the signed moment as ``exp_avg``,
+    the square one as ``exp_avg_sq``, each with its per-block scale (SGD's ``momentum_buffer`` is renamed;
+    Adam's and Lion's keys are the slots already)."""
+    moved = [(key, kind) for key, kind in fmt.moments if key != encodings.slot(kind)]
+    if not moved:
+        return stored
+    out = dict(stored)
+    for key, kind in moved:
+        out[encodings.slot(kind)] = out.pop(key)
+        scale = encodings.scale_key(key, fmt.codes, kind)
+        if scale in out:
+            out[encodings.scale_key(encodings.slot(kind), fmt.codes, kind)] = out.pop(scale)
+    return out
+
+
+def _triton_rule(fmt: StateFormat, hp: Hyperparameters) -> dict:
+    """The Triton launch's rule arguments: the rule id and flags, and each slot's moment dtype (``None``: absent)."""
+    kinds = {kind for _, kind in fmt.moments}
+    l2, second = hp.flags
+    return dict(rule=hp.rule.kernel, l2=l2, optimized_update=second and hp.rule.kernel == 0,
+                nesterov=second and hp.rule.kernel == 1,
+                exp_avg=fmt.exp_avg if encodings.SIGNED in kinds else None,
+                exp_avg_sq=fmt.exp_avg_sq if encodings.SQUARE in kinds else None)
 
 
 #: Parameters of at least this many elements (contiguous, with a contiguous gradient) get their own

@@ -38,12 +38,14 @@ a framework), and the step starts from that value, as it would without a master.
 from __future__ import annotations
 
 import math
-from typing import Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, List, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["DECAY_MODES", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_", "written"]
+__all__ = ["DECAY_MODES", "Rule", "ADAM", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_",
+           "written"]
 
 #: Accepted values of ``decay``: how weight decay enters the update (see the module docstring).
 DECAY_MODES = ("decoupled", "absolute", "l2")
@@ -191,6 +193,68 @@ def adam_elementwise_(
     root = _sqrt_rounded(exp_avg_sq)
     denom = root.add_(eps) if optimized_update else (root / sqrt_bias_correction2).add_(eps)
     param.sub_(exp_avg / denom * step_size)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An update rule: what the engine needs of an optimizer's math, and nothing else.
+
+    Everything around the rule is shared by every optimizer (masters and their encodings, moment
+    encodings, buckets, executions, the master-sync rule, the GradScaler hand-over, checkpoints,
+    FSDP2, the self-check); a rule states only its per-element math on float32 tensors. Adam's is
+    :data:`ADAM` (this module); SGD's and Lion's live in :mod:`halfadam.sgd` and :mod:`halfadam.lion`,
+    each one module with its optimizer class (docs/engine.md: adding an optimizer).
+
+    Attributes:
+        name: the rule's name (``"adam"``, ``"sgd"``, ``"lion"``): messages and the self-check.
+        kernel: the hand-written kernels' rule id (0 Adam, 1 SGD, 2 Lion): the rule-specific lines of
+            ``kernels/adam_cpu.cpp`` and ``kernels/triton.py``.
+        moments: the rule's per-element state, ``(state key, kind)`` each, at most one of each kind:
+            ``"signed"`` (encoded as Adam's ``exp_avg``: bfloat16 or sign + 7-bit codes) or
+            ``"square"`` (as ``exp_avg_sq``: non-negative 8-bit codes). The kernels take the signed
+            one in their ``exp_avg`` slot and the square one in their ``exp_avg_sq`` slot.
+        coefficients: ``coefficients(step, lr, weight_decay, **options)``: every scalar of a step, in
+            the order ``elementwise`` and the kernels take them; Python floats from numbers, float32
+            tensors when ``step``, ``lr`` or ``weight_decay`` is a tensor (as :func:`adam_coefficients`).
+        elementwise: ``elementwise(weight, grad, moments, coefficients, flags)``: the per-element
+            update, in place, on float32 tensors (``moments`` in the order of ``moments``).
+        flags: ``flags(options)``: the two booleans the kernels are compiled for (Adam: decay
+            ``"l2"``, ``optimized_update``; SGD: weight decay on, nesterov; Lion: none).
+        check_options: hyperparameters the self-check steps the kernels with, given a step's options
+            (the same flags).
+    """
+
+    name: str
+    kernel: int
+    moments: Tuple[Tuple[str, str], ...]
+    coefficients: Callable[..., Tuple[Scalar, ...]]
+    elementwise: Callable[[Tensor, Tensor, List[Tensor], Tuple[Scalar, ...], Tuple[bool, bool]], None]
+    flags: Callable[[dict], Tuple[bool, bool]]
+    check_options: Callable[[dict], dict]
+
+    def describe(self, flags: Tuple[bool, bool]) -> str:
+        """The rule and its kernel flags, for messages."""
+        names = {"adam": ("decay l2", "optimized_update"), "sgd": ("weight decay", "nesterov")}.get(self.name, ())
+        return ", ".join([self.name] + [n for n, f in zip(names, flags) if f])
+
+
+def _adam_coefficients(step: Scalar, lr: Scalar, weight_decay: Scalar, **options: Any) -> Tuple[Scalar, ...]:
+    return adam_coefficients(step=step, lr=lr, weight_decay=weight_decay, **options)
+
+
+def _adam_elementwise(weight: Tensor, grad: Tensor, moments: List[Tensor], coefficients: Tuple[Scalar, ...],
+                      flags: Tuple[bool, bool]) -> None:
+    adam_elementwise_(weight, grad, moments[0], moments[1], *coefficients, decay="l2" if flags[0] else "decoupled",
+                      optimized_update=flags[1])
+
+
+#: Adam's rule (AdamW, Adam, AdamFP16): options ``beta1``, ``beta2``, ``eps``, ``decay``, ``optimized_update``.
+ADAM = Rule(
+    name="adam", kernel=0, moments=(("exp_avg", "signed"), ("exp_avg_sq", "square")),
+    coefficients=_adam_coefficients, elementwise=_adam_elementwise,
+    flags=lambda o: (o["decay"] == "l2", bool(o["optimized_update"])),
+    check_options=lambda o: dict(beta1=0.9, beta2=0.999, eps=1e-8, decay=o["decay"],
+                                 optimized_update=o["optimized_update"]))
 
 
 def sync_master_(master: Tensor, param: Tensor) -> None:

@@ -247,3 +247,24 @@ def resolve(group: Dict[str, Any], key: str, where: str, step: int) -> float:
         raise TypeError(f"{where}['{key}'] must be a number (or a 1-element tensor), got "
                         f"{type(value).__name__}: {value!r}")
     return check_value(value, f"{where}['{key}']")
+
+
+def parse_nonnegative(value: Any, where: str) -> float:
+    """Validate a float >= 0 and finite (SGD's ``momentum``, ``dampening``).
+
+    Raises:
+        TypeError: not a float or an int (a bool is neither).
+        ValueError: negative, nan or inf.
+    """
+    if not _is_number(value):
+        raise TypeError(f"{where} must be a float, got {type(value).__name__}: {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where} must be >= 0 and finite, got {value}")
+    return float(value)
+
+
+def parse_bool(value: Any, where: str) -> bool:
+    """Validate a bool (SGD's ``nesterov``, ``maximize``). Raises TypeError for anything else."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where} must be True or False, got {value!r}")
+    return value

@@ -1,6 +1,6 @@
 """AdamW, Adam and AdamFP16 with fp32 master weights for float16/bfloat16 parameters.
 
-One engine (:class:`_AdamBase`) reads as torch's ``optim/adamw.py``: arguments (validated by
+One engine (:class:`_Engine`) reads as torch's ``optim/adamw.py``: arguments (validated by
 :mod:`halfadam.hyperparams` and :mod:`halfadam.param_groups`), groups, ``step`` and state dicts
 (:mod:`halfadam.state_dict`). Each step checks everything first (:func:`_plan`), then hands
 each group to an execution (:mod:`halfadam.executions`), which runs the single statement of the
@@ -24,7 +24,7 @@ from . import state_dict as _state_dict
 from ._dtensor import flat_offset, is_dtensor, localize
 from .executions import (Hyperparameters, capturable_step, check_capturable, check_implementation, flat_step,
                          reference_step, shard_step)
-from .functional import DECAY_MODES
+from .functional import ADAM, DECAY_MODES, Rule
 from .param_groups import (check_disjoint, check_grad, check_order_params, check_pairs, check_step_keys,
                            check_torch_flags, normalize_group, raise_foreign_key, split_params)
 from .state import HALF_DTYPES, ParamStates, check_row_shards
@@ -44,8 +44,14 @@ def _outside_inference_mode(method: Any) -> Any:
     return wrapper
 
 
-class _AdamBase(torch.optim.Optimizer):
-    """The shared engine of :class:`AdamW`, :class:`Adam` and :class:`AdamFP16`.
+class _Engine(torch.optim.Optimizer):
+    """The shared engine of every halfadam optimizer (:class:`AdamW`, :class:`Adam`, :class:`AdamFP16`,
+    :class:`halfadam.SGD`, :class:`halfadam.Lion`): groups, state, masters, state dicts and the step.
+
+    An optimizer is its update rule (:class:`halfadam.functional.Rule`) and these class hooks: ``_parsers``
+    (its group keys and their parsers), ``_required`` (group keys a step needs), :meth:`_rule_for`
+    (the rule, given the groups) and :meth:`_options` (a group's rule options for a step). Adam's are
+    the defaults.
 
     Per-parameter state (``optimizer.state[param]``):
 
@@ -62,17 +68,50 @@ class _AdamBase(torch.optim.Optimizer):
     (steps taken by the optimizer; 0-based index of the next step, which schedules are evaluated at).
     """
 
+    # The hooks an optimizer class sets (halfadam.lion, halfadam.sgd, _Adam below; docs/engine.md):
+    #: its rule's group keys and their parsers ``(value, where) -> stored value``, and the keys a step needs;
+    _parsers: Dict[str, Callable[[Any, str], Any]] = {}
+    _required: Tuple[str, ...] = ()
+    #: its counterpart outside halfadam, whose state dicts :meth:`to_torch_state_dict` writes and
+    #: :meth:`load_state_dict` reads (:mod:`halfadam.state_dict`): its name (for messages), the keys that make
+    #: a group its (every key of one of these tuples), whether its state holds ``step`` (torch.optim.SGD's
+    #: does not: a loaded entry counts as one step taken) and its per-parameter keys that a load drops;
+    _torch_name: str = ""
+    _torch_keys: Tuple[Tuple[str, ...], ...] = ()
+    _torch_step: bool = True
+    _torch_dropped: Tuple[str, ...] = ()
+    #: group keys whose value the class sets (AdamW's decay "decoupled", Adam's "l2"): a halfadam
+    #: checkpoint's replaces this optimizer's with a warning (written by another class?).
+    _class_keys: Tuple[str, ...] = ()
+
+    def _rule_for(self, groups: List[Dict[str, Any]]) -> Rule:
+        """The update rule of an optimizer with these (normalized) groups."""
+        raise NotImplementedError
+
+    def _options(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """``group``'s options of the rule for a step (checked by :func:`check_step_keys` already); a
+        ValueError naming ``where`` for a value the rule cannot step with."""
+        raise NotImplementedError
+
+    def _torch_group(self, group: Dict[str, Any], weight_decay: float, where: str) -> Dict[str, Any]:
+        """The rule's keys of the counterpart's group for ``group`` (beside ``lr``, ``weight_decay``, of
+        which ``weight_decay`` is the next step's, ``params`` and the user's keys)."""
+        raise NotImplementedError
+
+    def _from_torch_group(self, saved: Mapping[str, Any], current: Dict[str, Any],
+                          where: str) -> Tuple[Dict[str, Any], List[str]]:
+        """The keys that a group of the counterpart's state dict (``saved``, without ``params``) loads into
+        ``current``, and the warnings to give; ValueError for what halfadam does not implement."""
+        raise NotImplementedError
+
     def __init__(
         self,
         params: Iterable[Any],
         *,
         lr: Any,
         learning_rate: Any,
-        betas: Any,
-        eps: Any,
         weight_decay: Any,
-        decay: str,
-        optimized_update: bool,
+        options: Dict[str, Any],
         master_weights: Optional[bool],
         implementation: str = "auto",
         state_mode: str = "fp32",
@@ -82,8 +121,6 @@ class _AdamBase(torch.optim.Optimizer):
         capturable: bool = False,
     ):
         lr, lr_name = hyperparams.lr_argument(lr, learning_rate)
-        if decay not in DECAY_MODES:
-            raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
         check_implementation(implementation, capturable)
         self.implementation, self.capturable = implementation, capturable
         self.state_format = encodings.state_format(state_mode, store_param_remainders=store_param_remainders,
@@ -97,21 +134,15 @@ class _AdamBase(torch.optim.Optimizer):
 
         lr_value, lr_schedule = hyperparams.parse_lr(lr, lr_name)
         wd_value, wd_schedule = hyperparams.parse_weight_decay(weight_decay, "weight_decay")
-        defaults = dict(
-            lr=lr_value,
-            lr_schedule=lr_schedule,
-            betas=hyperparams.parse_betas(betas, "betas"),
-            eps=hyperparams.parse_eps(eps, "eps"),
-            weight_decay=wd_value,
-            weight_decay_schedule=wd_schedule,
-            decay=decay,
-            optimized_update=bool(optimized_update),
-            master_weights=master_weights,
-        )
+        defaults = dict(lr=lr_value, lr_schedule=lr_schedule, weight_decay=wd_value, weight_decay_schedule=wd_schedule,
+                        **options, master_weights=master_weights)
         groups, order_params = split_params(params)
         # Validate every group before anything is built; add_param_group validates again (cheaply)
         # because it is also the public way to add a group later.
-        groups = [normalize_group(g, self.state_format, f"param_groups[{i}]") for i, g in enumerate(groups)]
+        groups = [normalize_group(g, self.state_format, f"param_groups[{i}]", self._parsers)
+                  for i, g in enumerate(groups)]
+        self.rule = self._rule_for([{**defaults, **g} for g in groups])
+        self.state_format = self.state_format.for_rule(self.rule.moments)
         check_disjoint(groups)
         if not any(g["params"] for g in groups):
             raise ValueError("params holds no parameter: every parameter group is empty")
@@ -141,6 +172,7 @@ class _AdamBase(torch.optim.Optimizer):
         self._states = ParamStates(self)  # its buckets are rebuilt from the state on the next step
         self._written, self._valid_keys, self._override_warned = {}, {}, False
         super().__setstate__(state)
+        self.rule = self._rule_for(self.param_groups)
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -151,7 +183,7 @@ class _AdamBase(torch.optim.Optimizer):
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = normalize_group(param_group, self.state_format, f"param_groups[{len(self.param_groups)}]")
+        group = normalize_group(param_group, self.state_format, f"param_groups[{len(self.param_groups)}]", self._parsers)
         check_disjoint(self.param_groups + [group])
         group.setdefault("global_step", max((g["global_step"] for g in self.param_groups), default=0))
         where = f"param_groups[{len(self.param_groups)}]"
@@ -238,7 +270,8 @@ class _AdamBase(torch.optim.Optimizer):
 
     @_outside_inference_mode
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a halfadam or torch.optim.Adam/AdamW state_dict: checked first, never changes a state dtype.
+        """Load a halfadam state_dict of this update rule, or its counterpart's (torch.optim.Adam/AdamW,
+        torch.optim.SGD, a Lion's): checked first, never changes a state dtype.
 
         See :func:`halfadam.state_dict.load_optimizer_state_dict` (labelled 8-bit codes load, and older
         unlabelled ones). Raises :class:`halfadam.checkpoint.CheckpointError` (a ValueError) with
@@ -248,7 +281,8 @@ class _AdamBase(torch.optim.Optimizer):
         self._written.clear()  # the loaded lr and weight decay are no change from outside (_warn_if_overridden)
 
     def to_torch_state_dict(self) -> Dict[str, Any]:
-        """This state as a ``torch.optim.AdamW`` state_dict (no masters); see :mod:`halfadam.checkpoint`."""
+        """This state as its counterpart's state_dict (``torch.optim.AdamW``, ``torch.optim.SGD``, lucidrains'
+        ``Lion``; no masters); see :func:`halfadam.state_dict.to_torch_state_dict`."""
         return _state_dict.to_torch_state_dict(self)
 
     def master_state_dict(self, model: torch.nn.Module) -> Dict[str, Tensor]:
@@ -349,14 +383,14 @@ class _AdamBase(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- the step's work
-# What _AdamBase.step does between its checks and its bookkeeping, group by group: plan the step
+# What _Engine.step does between its checks and its bookkeeping, group by group: plan the step
 # (everything checked before anything changes), then hand each group to an execution.
-def _plan(opt: _AdamBase, grads: Optional[Mapping], grad_scale: Optional[Tensor],
+def _plan(opt: _Engine, grads: Optional[Mapping], grad_scale: Optional[Tensor],
           found_inf: Optional[Tensor]) -> list:
     """Check a step's arguments, gradients and scheduled values, before anything changes (the
     states: :meth:`halfadam.state.ParamStates.sort`); one ``(group, hp, after, pairs)`` per group:
     the hyperparameters of this step, those ``group`` shows after it (``after``: the next step's
-    scheduled values) and its ``(param, grad)`` pairs. Raises the errors :meth:`_AdamBase.step` lists."""
+    scheduled values) and its ``(param, grad)`` pairs. Raises the errors :meth:`_Engine.step` lists."""
     if grads is not None and not isinstance(grads, Mapping):
         raise TypeError(f"grads must be a mapping from parameter to gradient, got {type(grads).__name__}")
     for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
@@ -367,7 +401,7 @@ def _plan(opt: _AdamBase, grads: Optional[Mapping], grad_scale: Optional[Tensor]
     for gi, group in enumerate(opt.param_groups):
         where = f"param_groups[{gi}]"
         _warn_if_overridden(opt, group, where)
-        check_step_keys(group, where, opt._valid_keys)  # every group's, before any group steps
+        check_step_keys(group, where, opt._valid_keys, opt._parsers, opt._required)  # every group's, first
         step = group["global_step"]
         lr = hyperparams.resolve(group, "lr", where, step)
         weight_decay = hyperparams.resolve(group, "weight_decay", where, step)
@@ -384,10 +418,7 @@ def _plan(opt: _AdamBase, grads: Optional[Mapping], grad_scale: Optional[Tensor]
         check_pairs(pairs, group["params"], where)
         if opt.capturable:
             check_capturable(pairs, group["params"], where, lambda p: opt._states.use_master(p, group))
-        beta1, beta2 = group["betas"]
-        hp = Hyperparameters(lr=lr, beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                             weight_decay=weight_decay, decay=group["decay"],
-                             optimized_update=group["optimized_update"])
+        hp = Hyperparameters(lr, weight_decay, opt.rule, **opt._options(group, where))
         plan.append((group, hp, after, pairs))
     if grads is not None and matched != len(grads):
         raise_foreign_key(grads, opt.param_groups)
@@ -395,7 +426,7 @@ def _plan(opt: _AdamBase, grads: Optional[Mapping], grad_scale: Optional[Tensor]
 
 
 @torch.compiler.disable
-def _run_group(opt: _AdamBase, group: Dict[str, Any], work: tuple, hp: Hyperparameters,
+def _run_group(opt: _Engine, group: Dict[str, Any], work: tuple, hp: Hyperparameters,
                grad_scale: Optional[Tensor], found_inf: Optional[Tensor] = None) -> None:
     """Dispatch one group's step: buckets to the flat path, everything else to the reference.
 
@@ -437,7 +468,7 @@ def _run_group(opt: _AdamBase, group: Dict[str, Any], work: tuple, hp: Hyperpara
             reference_step(local_pairs, local_state, hp, grad_scale, opt.state_format, offsets)
 
 
-def _warn_if_overridden(opt: _AdamBase, group: Dict[str, Any], where: str) -> None:
+def _warn_if_overridden(opt: _Engine, group: Dict[str, Any], where: str) -> None:
     """Warn once when a scheduled value was changed from outside since the last step (e.g. by a
     torch ``lr_scheduler``): the schedule sets it at every step, so that change has no effect."""
     written = opt._written.get(id(group))
@@ -452,7 +483,67 @@ def _warn_if_overridden(opt: _AdamBase, group: Dict[str, Any], where: str) -> No
                 f"effect", UserWarning, stacklevel=4)
 
 
-class AdamW(_AdamBase):
+#: torch.optim.AdamW's flags, at the values of halfadam's update (:meth:`_Engine._torch_group`).
+_ADAM_TORCH_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                         fused=None)
+
+
+def _adam_options(betas: Any, eps: Any, decay: str, optimized_update: bool) -> Dict[str, Any]:
+    """Adam's group options, validated (the errors :class:`AdamW` lists)."""
+    if decay not in DECAY_MODES:
+        raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
+    return dict(betas=hyperparams.parse_betas(betas, "betas"), eps=hyperparams.parse_eps(eps, "eps"), decay=decay,
+                optimized_update=bool(optimized_update))
+
+
+class _Adam(_Engine):
+    """Adam's rule and hooks (:class:`_Engine`) under :class:`AdamW`, :class:`Adam` and :class:`AdamFP16`
+    (:data:`halfadam.functional.ADAM`; the counterpart: torch.optim.Adam/AdamW)."""
+
+    _parsers = {"betas": hyperparams.parse_betas, "eps": hyperparams.parse_eps}
+    _required = ("betas", "eps", "decay", "optimized_update")
+    _torch_name, _torch_keys, _class_keys = "torch.optim.Adam/AdamW", (("betas", "eps"),), ("decay", "optimized_update")
+
+    def _rule_for(self, groups: List[Dict[str, Any]]) -> Rule:
+        return ADAM
+
+    def _options(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]), decay=group["decay"],
+                    optimized_update=group["optimized_update"])
+
+    def _torch_group(self, group: Dict[str, Any], weight_decay: float, where: str) -> Dict[str, Any]:
+        """The rule's keys of the counterpart's group for ``group`` (beside ``lr``, ``weight_decay``, of
+        which ``weight_decay`` is the next step's, ``params`` and the user's keys). ValueError where the
+        counterpart has no equivalent (decay ``"absolute"``); a UserWarning for ``optimized_update``."""
+        if group["decay"] == "absolute" and weight_decay > 0:
+            raise ValueError(f"{where}: decay 'absolute' (w <- w * (1 - wd)) has no torch.optim equivalent")
+        if group["optimized_update"]:
+            warnings.warn(f"{where}: optimized_update=True has no torch.optim equivalent; torch adds eps after "
+                          f"bias correction", UserWarning, stacklevel=4)
+        return dict(betas=tuple(group["betas"]), eps=group["eps"], **_ADAM_TORCH_FLAGS,
+                    decoupled_weight_decay=group["decay"] == "decoupled")
+
+    def _from_torch_group(self, saved: Mapping[str, Any], current: Dict[str, Any],
+                          where: str) -> Tuple[Dict[str, Any], List[str]]:
+        """The keys that a group of the counterpart's state dict (``saved``, without ``params``) loads into
+        ``current`` (the rule's and the user's: the counterpart's flags dropped), and the warnings to give.
+        ValueError for a flag that halfadam does not implement (``amsgrad``, ``maximize``)."""
+        for flag in ("amsgrad", "maximize"):
+            if saved.get(flag):
+                raise ValueError(f"{where}: the checkpoint was written with {flag}=True, which halfadam does not "
+                                 f"implement")
+        keys = {k: v for k, v in saved.items() if k not in (*_ADAM_TORCH_FLAGS, "decoupled_weight_decay")}
+        new = {**current, **keys}
+        dwd, wd = saved.get("decoupled_weight_decay"), new["weight_decay"]
+        if dwd is not None and bool(wd.ne(0).any() if isinstance(wd, Tensor) else wd) and bool(dwd) != (
+                new["decay"] == "decoupled"):
+            return keys, [f"{where}: the checkpoint decays weights {'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
+                          f"this optimizer with decay={new['decay']!r}; continuing with this optimizer's"]
+        return keys, []
+
+
+class AdamW(_Adam):
     r"""AdamW with fp32 master weights for float16/bfloat16 parameters.
 
     A drop-in :class:`torch.optim.Optimizer`. For every fp16/bf16 parameter it keeps an fp32 master
@@ -568,14 +659,14 @@ class AdamW(_AdamBase):
                  capturable: bool = False, differentiable: bool = False, fused: bool | None = None):
         check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
-        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
-                         weight_decay=weight_decay, decay="decoupled", optimized_update=False,
-                         master_weights=master_weights, implementation=implementation, state_mode=state_mode,
+        super().__init__(params, lr=lr, learning_rate=learning_rate, weight_decay=weight_decay,
+                         options=_adam_options(betas, eps, "decoupled", False), master_weights=master_weights,
+                         implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
 
 
-class Adam(_AdamBase):
+class Adam(_Adam):
     r"""Adam with L2 weight decay and fp32 master weights for float16/bfloat16 parameters.
 
     As :class:`AdamW` except that weight decay is added to the gradient, ``g <- g + wd * w``, before
@@ -595,9 +686,9 @@ class Adam(_AdamBase):
                  capturable: bool = False, differentiable: bool = False, fused: bool | None = None):
         check_torch_flags(dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 differentiable=differentiable, fused=fused), type(self).__name__)
-        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
-                         weight_decay=weight_decay, decay="l2", optimized_update=False,
-                         master_weights=master_weights, implementation=implementation, state_mode=state_mode,
+        super().__init__(params, lr=lr, learning_rate=learning_rate, weight_decay=weight_decay,
+                         options=_adam_options(betas, eps, "l2", False), master_weights=master_weights,
+                         implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)
 
@@ -634,7 +725,7 @@ class WeightDecay:
                 f"absolute={self.absolute})")
 
 
-class AdamFP16(_AdamBase):
+class AdamFP16(_Adam):
     r"""labml's half-precision Adam interface, on halfadam's engine.
 
     ``AdamFP16(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-16, weight_decay=WeightDecay(),
@@ -659,9 +750,8 @@ class AdamFP16(_AdamBase):
                  capturable: bool = False):
         if not isinstance(weight_decay, WeightDecay):
             raise TypeError(f"weight_decay must be a halfadam.WeightDecay, got {type(weight_decay).__name__}")
-        super().__init__(params, lr=lr, learning_rate=learning_rate, betas=betas, eps=eps,
-                         weight_decay=weight_decay.weight_decay, decay=weight_decay.decay,
-                         optimized_update=optimized_update, master_weights=master_weights,
-                         implementation=implementation, state_mode=state_mode,
+        super().__init__(params, lr=lr, learning_rate=learning_rate, weight_decay=weight_decay.weight_decay,
+                         options=_adam_options(betas, eps, weight_decay.decay, optimized_update),
+                         master_weights=master_weights, implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                          exp_avg_sq_dtype=exp_avg_sq_dtype, capturable=capturable)

@@ -62,9 +62,10 @@ def check_torch_flags(flags: Dict[str, Any], where: str) -> None:
         raise ValueError(f"{name('fused')} and {name('foreach')} cannot be True together (torch.optim.AdamW refuses it too)")
 
 
-def check_group_keys(group: Dict[str, Any], where: str) -> None:
-    """Reject torch flags halfadam does not implement, and halfadam's own keys of the wrong type."""
-    check_torch_flags(group, where)
+def check_group_keys(group: Dict[str, Any], where: str, own: Tuple[str, ...] = ()) -> None:
+    """Reject torch flags halfadam does not implement (but the rule's ``own`` keys: SGD's ``maximize``),
+    and halfadam's own keys of the wrong type."""
+    check_torch_flags({k: v for k, v in group.items() if k not in own} if own else group, where)
     if "master_weights" in group and group["master_weights"] is not None and not isinstance(
             group["master_weights"], bool):
         raise TypeError(f"{where}['master_weights'] must be None, True or False, got {group['master_weights']!r}")
@@ -82,27 +83,27 @@ def check_group_keys(group: Dict[str, Any], where: str) -> None:
             raise TypeError(f"{where}['{key}'] must be None or a callable of the global step, got {group[key]!r}")
 
 
-_STEP_KEYS = ("betas", "eps", "decay", "optimized_update", "master_weights", "global_step")
-
-
-def check_step_keys(group: Dict[str, Any], where: str, valid: Dict[int, Tuple[Any, ...]]) -> None:
-    """:func:`check_group_keys` plus ``betas`` and ``eps``, for a group about to step.
+def check_step_keys(group: Dict[str, Any], where: str, valid: Dict[int, Tuple[Any, ...]],
+                    parsers: Dict[str, Any], required: Tuple[str, ...]) -> None:
+    """:func:`check_group_keys` plus the rule's own keys (``parsers``: each parsed, Adam's ``betas`` and
+    ``eps``; ``required``: present), for a group about to step.
 
     ``param_groups`` is public and may be written between steps; the step checks every group with
     this before any group steps, so a bad value raises the constructor's TypeError/ValueError
     (naming ``where`` and the key) with nothing changed. ``valid`` (the optimizer's) keeps, per
     ``id(group)``, the values last found valid, so an unchanged group costs one comparison.
     """
-    current = tuple(group.get(k) for k in _STEP_KEYS)
+    current = tuple(group.get(k) for k in (*required, *parsers, "master_weights", "global_step"))
     last = valid.get(id(group))
     if last is not None and all(a is b or (type(a) is type(b) and a == b) for a, b in zip(last, current)):
         return
-    check_group_keys(group, where)
-    for name in ("betas", "eps", "decay", "optimized_update"):
+    check_group_keys(group, where, tuple(parsers))
+    for name in required:
         if name not in group:
             raise ValueError(f"{where} has no '{name}' key (it was deleted from the group?)")
-    hyperparams.parse_betas(group["betas"], f"{where}['betas']")
-    hyperparams.parse_eps(group["eps"], f"{where}['eps']")
+    for name, parse in parsers.items():
+        if name in group:
+            parse(group[name], f"{where}['{name}']")
     valid[id(group)] = current
 
 
@@ -278,7 +279,8 @@ def check_order_params(order: Optional[List[Any]], groups: List[Dict[str, Any]])
                 raise ValueError(f"param_groups[{gi}]['params'][{j}] (shape {tuple(p.shape)}) is missing from order_params")
 
 
-def normalize_group(group: Dict[str, Any], state_format: StateFormat, where: str) -> Dict[str, Any]:
+def normalize_group(group: Dict[str, Any], state_format: StateFormat, where: str,
+                    parsers: Dict[str, Any]) -> Dict[str, Any]:
     """Validate one parameter group and turn its hyperparameters into their stored form.
 
     ``learning_rate`` becomes ``lr``; ``params`` a list (``param_names`` beside it for ``(name, param)``
@@ -302,10 +304,10 @@ def normalize_group(group: Dict[str, Any], state_format: StateFormat, where: str
             fmt = encodings.state_format(**format_keys)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{where}: {exc}") from None
-        if fmt != state_format:
+        if fmt.for_rule(state_format.moments) != state_format:
             raise ValueError(f"{where} asks for the state format {fmt.describe()}, this optimizer has "
                              f"{state_format.describe()}: the state format is per optimizer, not per group")
-    check_group_keys(group, where)
+    check_group_keys(group, where, tuple(parsers))
     params = group["params"]
     if isinstance(params, Tensor):
         params = [params]
@@ -329,8 +331,7 @@ def normalize_group(group: Dict[str, Any], state_format: StateFormat, where: str
         group["weight_decay"], group["weight_decay_schedule"] = hyperparams.parse_weight_decay(
             group["weight_decay"], f"{where}['weight_decay']"
         )
-    if "betas" in group:
-        group["betas"] = hyperparams.parse_betas(group["betas"], f"{where}['betas']")
-    if "eps" in group:
-        group["eps"] = hyperparams.parse_eps(group["eps"], f"{where}['eps']")
+    for name, parse in parsers.items():  # the rule's own keys (Adam's betas and eps)
+        if name in group:
+            group[name] = parse(group[name], f"{where}['{name}']")
     return group

@@ -4,7 +4,7 @@ The C++ kernel is compiled by each user's compiler for each user's CPU, and the 
 Triton for each user's GPU: whoever first runs one on new hardware is its first tester, and a wrong
 bit in an 8-bit code or a remainder does not show in a loss curve for thousands of steps. So the
 first time a process steps a :class:`Config` (kernel, device, parameter and gradient dtypes, state
-format, decay mode, ``optimized_update``, loss scale or none, layout (a bucket, FSDP2 shards or a
+format, update rule and its flags (Adam's decay mode and ``optimized_update``), loss scale or none, layout (a bucket, FSDP2 shards or a
 capturable launch) and variant (the C++ kernel's lane width, the Triton kernel compiled or interpreted)), :func:`kernel_agrees` runs that kernel for two steps over a small synthetic set of
 parameters, and ``implementation="foreach"`` beside it on the same device (the same equations,
 :func:`halfadam.encodings.encoded_update_`, in eager torch ops; for shards, the per-parameter
@@ -75,8 +75,7 @@ class Config:
     grad_dtype: torch.dtype
     fmt: StateFormat  # the format of the parameters stepped (encodings.for_param's)
     has_master: bool
-    decay: str  # "decoupled" (AdamW) or "l2" (Adam)
-    optimized_update: bool
+    rule: str  # the update rule and its kernel flags (halfadam.functional.Rule.describe)
     scaled: bool  # a grad_scale (loss scale) is applied
     layout: str = "bucket"  # one of LAYOUTS
     variant: str = ""  # the C++ kernel's lane width; the Triton kernel compiled or interpreted
@@ -85,8 +84,8 @@ class Config:
         name = {"cpp": "the C++ kernel ('cpp')", "triton": "the Triton kernel ('triton')"}[self.kernel]
         dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
         return (f"{name} on {self.device}: {dt(self.param_dtype)} parameters, {dt(self.grad_dtype)} gradients, "
-                f"state {self.fmt.describe()}{'' if self.has_master else ' (no master)'}, decay={self.decay!r}, "
-                f"optimized_update={self.optimized_update}, {'a loss scale' if self.scaled else 'no loss scale'}, "
+                f"state {self.fmt.describe()}{'' if self.has_master else ' (no master)'}, rule {self.rule}, "
+                f"{'a loss scale' if self.scaled else 'no loss scale'}, "
                 f"{self.layout} layout, {self.variant}")
 
 

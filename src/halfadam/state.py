@@ -65,6 +65,11 @@ class ParamStates:
     adopt = state_checks.adopt
     stale_shape = state_checks.stale_shape
 
+    @property
+    def moment_keys(self) -> Tuple[str, ...]:
+        """The update rule's moment keys (Adam's ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``...)."""
+        return tuple(key for key, _ in self.state_format.moments)
+
     def use_master(self, param: Tensor, group: Dict[str, Any]) -> bool:
         """Whether ``param`` keeps a master weight: the group's ``master_weights``, where ``None``
         (the default) for float16/bfloat16 parameters only."""
@@ -77,14 +82,14 @@ class ParamStates:
 
     def fits(self, param: Tensor, state: dict, group: Dict[str, Any]) -> bool:
         """Whether ``state`` was made for ``param`` as it is now (dtype, device, master setting, format)."""
-        ea = state.get("exp_avg")
-        if ea is None or ea.device != param.device or self.dtypes.get(id(param), param.dtype) != param.dtype:
+        if "step" not in state or self.dtypes.get(id(param), param.dtype) != param.dtype:
             return False
         if encodings.is_labelled(state) or foreign(param, state):  # adopt() takes it in first
             return False
         expected = self.element_dtypes(param, group)
         present = [k for k in encodings.ELEMENT_KEYS if k in state]
-        return sorted(present) == sorted(expected) and all(state[k].dtype == dt for k, dt in expected.items())
+        return sorted(present) == sorted(expected) and all(
+            state[k].dtype == dt and state[k].device == param.device for k, dt in expected.items())
 
     def place(self, param: Tensor, group: Dict[str, Any]) -> str:
         """``param``'s place in the optimizer, for messages: ``param_groups[0]['params'][3]``."""
@@ -104,7 +109,7 @@ class ParamStates:
         """The per-element state keys ``param`` has in this optimizer, and their dtypes."""
         use_master = self.use_master(param, group)
         if param.dtype == torch.float64:
-            return dict.fromkeys(("master_weight",) * use_master + ("exp_avg", "exp_avg_sq"), torch.float64)
+            return dict.fromkeys(("master_weight",) * use_master + self.moment_keys, torch.float64)
         return encodings.element_keys(self.format(param, group), use_master)
 
     @torch.no_grad()
@@ -137,7 +142,7 @@ class ParamStates:
                 scale: put there by hand), named by the parameter's place; nothing changed.
         """
         try:
-            old_format = encodings.format_of(state)
+            old_format = encodings.format_of(state, self.state_format.moments)
         except ValueError as exc:  # a moment of no encoding's form (one put there by hand): name the parameter
             raise ValueError(f"{self.place(param, group)}: {exc}") from None
         old_dtype = self.dtypes.get(id(param), param.dtype)
@@ -147,7 +152,7 @@ class ParamStates:
             p = local(param).detach()
             if old_dtype != param.dtype and encodings.has_master(state):
                 old = {k: local(v).to(p.device) for k, v in state.items() if k != "step"}
-                master = encodings.decode_state(encodings.format_of(old), p.to(old_dtype), old,
+                master = encodings.decode_state(encodings.format_of(old, self.state_format.moments), p.to(old_dtype), old,
                                                 ("master_weight",))["master_weight"]
                 # an fp32 master (a 1-D parameter) never depended on the old value
                 kept = (_converted_exactly(old_dtype, p) if encodings.has_remainder(state)
@@ -173,7 +178,7 @@ class ParamStates:
             self.dtypes[id(param)] = param.dtype
             return
         compute = _compute_dtype(param)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in self.moment_keys:
             state[key] = state[key].to(device=param.device, dtype=compute, copy=True)
         master = state.pop("master_weight", None)
         if master is not None:
@@ -233,8 +238,8 @@ class ParamStates:
                 continue
             if self.use_master(param, group):
                 state["master_weight"] = param.detach().to(dtype, copy=True)
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            for key in self.moment_keys:
+                state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
     def group_layout(self, group: Dict[str, Any], rebuild: bool = False) -> "_GroupLayout":
         """The buckets of ``group``, (re)built when the group, its parameters or ``self.state`` changed,
@@ -260,7 +265,8 @@ class ParamStates:
             if not state or self.stale_shape(p) is not None or not readable(self, p, group):
                 continue  # none, made for an old shape, or written into a form no rule reads: its next use raises
             self.adopt(p, state, group)
-            if not self.fits(p, state, group) or (id(p) not in layout.where and _is_view(state["exp_avg"])):
+            if not self.fits(p, state, group) or (id(p) not in layout.where and any(
+                    _is_view(state[k]) for k in encodings.ELEMENT_KEYS if k in state)):
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
             loc = layout.where.get(id(p))
             if loc is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,12 +60,12 @@ def check_state(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> 
     where = functools.partial(states.place, param, group)
     if encodings.is_labelled(state):  # a state_dict entry put there as it is: checked as adopt() reads it
         state = encodings.unlabelled(state, where())
-    _check_keys(state, where)
+    _check_keys(state, where, states.state_format.moments)
     made = states.stale_shape(param)
-    if made is not None and not _param_shaped(state["exp_avg_sq"], param):  # not a key replaced: resized
+    if made is not None and not any(_param_shaped(state[k], param) for k in _element_keys(state)):  # resized
         states.check_shared()  # or another parameter's state dict, put here (state[p1] = state[p2])
         raise ValueError(
-            f"{where()} has shape {tuple(param.shape)}, but its optimizer state (exp_avg, exp_avg_sq, master) "
+            f"{where()} has shape {tuple(param.shape)}, but its optimizer state (moments, master) "
             f"was made for shape {made}: the parameter was resized since (p.data = ...). To continue with "
             f"fresh state for it (step 0, zero moments, the master from its new value), remove its state "
             f"first: del optimizer.state[p]; or give it back its shape {made}")
@@ -131,8 +131,14 @@ def stale_shape(states: "ParamStates", param: Tensor) -> Optional[Tuple[int, ...
     """The shape ``param``'s state was made for, when it is not ``param``'s own (it was resized
     since: ``p.data = torch.randn(...)`` of a new size between steps); else ``None``."""
     state = states.state.get(param)
-    exp_avg = state.get("exp_avg") if state else None
-    return None if not isinstance(exp_avg, Tensor) or _param_shaped(exp_avg, param) else tuple(exp_avg.shape)
+    first = next(iter(_element_keys(state)), None) if state else None
+    t = state[first] if first else None
+    return None if not isinstance(t, Tensor) or _param_shaped(t, param) else tuple(t.shape)
+
+
+def _element_keys(state: dict) -> List[str]:
+    """The per-element keys ``state`` holds, in :data:`halfadam.encodings.ELEMENT_KEYS` order."""
+    return [k for k in encodings.ELEMENT_KEYS if k in state]
 
 
 def foreign(param: Tensor, state: dict) -> bool:
@@ -163,7 +169,7 @@ _KNOWN = {"step", REMAINDER_DTYPE, *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEY
 _LEFTOVERS = {REMAINDER_DTYPE, *(k for k in encodings.BLOCK_KEYS + encodings.LEGACY_BLOCK_KEYS if k != "master_tie")}
 
 
-def _check_keys(state: dict, where: Callable[[], str]) -> None:
+def _check_keys(state: dict, where: Callable[[], str], moments: Tuple[Tuple[str, str], ...]) -> None:
     """ValueError (named ``where()``) where ``state`` holds a key of no encoding (a user's), lacks
     ``step``, a moment or a key its encoding needs, holds another encoding's key (but the per-block
     scale of a moment given as floats in place of its codes, which conversion drops), a value other
@@ -171,22 +177,24 @@ def _check_keys(state: dict, where: Callable[[], str]) -> None:
     for key, value in state.items():
         if key in _KNOWN and key not in ("step", REMAINDER_DTYPE) and not isinstance(value, Tensor):
             raise ValueError(f"{where()}: its state[{key!r}] must be a tensor, got {type(value).__name__}")
-    dtypes = (state[k].dtype if k in state else None for k in ("exp_avg", "exp_avg_sq"))
-    problem = _keys_problem(frozenset(state), *dtypes)
+    dtypes = tuple(state[k].dtype if k in state else None for k, _ in moments)
+    problem = _keys_problem(frozenset(state), moments, dtypes)
     if problem:
         raise ValueError(f"{where()}: {problem}")
 
 
 @functools.lru_cache(maxsize=256)
-def _keys_problem(keys: frozenset, exp_avg: Optional[torch.dtype], exp_avg_sq: Optional[torch.dtype]) -> Optional[str]:
-    """:func:`_check_keys`' finding for a state of ``keys`` whose moments have these dtypes, or ``None``
-    (cached: a step checks the same few key sets over and over)."""
+def _keys_problem(keys: frozenset, moments: Tuple[Tuple[str, str], ...],
+                  dtypes: Tuple[Optional[torch.dtype], ...]) -> Optional[str]:
+    """:func:`_check_keys`' finding for a state of ``keys`` whose ``moments`` (the rule's) have these
+    dtypes, or ``None`` (cached: a step checks the same few key sets over and over)."""
     fmt, extra = None, sorted(keys - _KNOWN)
-    missing = [] if extra else [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in keys]
+    missing = [] if extra else [k for k in ("step", *(key for key, _ in moments)) if k not in keys]
     if not (extra or missing):
         try:  # format_of reads the keys and the moments' dtypes
-            fmt = encodings.format_of({**dict.fromkeys(keys), "exp_avg": torch.empty(0, dtype=exp_avg),
-                                       "exp_avg_sq": torch.empty(0, dtype=exp_avg_sq)})
+            fmt = encodings.format_of({**dict.fromkeys(keys), **{key: torch.empty(0, dtype=dtype)
+                                                                for (key, _), dtype in zip(moments, dtypes)}},
+                                      moments)
         except ValueError as exc:
             return str(exc)
         master = fmt.master != "fp32" or "master_weight" in keys

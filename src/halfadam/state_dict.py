@@ -14,14 +14,19 @@ State (:func:`optimizer_state_dict`, :func:`load_optimizer_state_dict`; what
      "param_groups": [{"lr", "betas", "eps", "weight_decay", "lr_schedule", "weight_decay_schedule",
                        "decay", "optimized_update", "master_weights", "global_step", "params": [index, ...]}]}
 
-(float64 instead of float32 for float64 parameters). ``global_step`` is the position of the group's
-schedules, which are functions of it; a schedule object is saved *by value* as plain data
-(``{"__schedule__": "module:Class", "attrs": {...}}`` for a plain Python object such as the classes of
-:mod:`halfadam.schedules` and ``PerStepValues``; ``{"__schedule__": ..., "state_dict": ...}`` for an object
-with ``state_dict()``/``load_state_dict()``); a schedule that cannot be saved as data (a lambda, a
-closure) is recorded by name only and the optimizer loading the checkpoint must have been built with
-one. The whole state_dict is therefore made of tensors, numbers, strings, lists, tuples and dicts:
-``torch.save`` it and ``torch.load(..., weights_only=True)`` reads it back.
+(float64 instead of float32 for float64 parameters). That is AdamW's; every optimizer of the engine
+keeps its update rule's moments (``optimizer.state_format.moments``: :class:`halfadam.SGD`'s
+``momentum_buffer``, none when built with momentum 0; :class:`halfadam.Lion`'s ``exp_avg``), encoded the
+same way (a signed moment's per-block key is ``<key>_scale``), and its rule's group keys
+(``optimizer._parsers``, ``_required``: SGD's ``momentum``, ``dampening``, ``nesterov``, ``maximize``;
+Lion's ``betas``) in place of Adam's. A checkpoint loads into an optimizer of its rule only.
+``global_step`` is the position of the group's schedules, which are functions of it; a schedule object is
+saved *by value* as plain data (``{"__schedule__": "module:Class", "attrs": {...}}`` for a plain Python
+object such as the classes of :mod:`halfadam.schedules` and ``PerStepValues``; ``{"__schedule__": ...,
+"state_dict": ...}`` for an object with ``state_dict()``/``load_state_dict()``); a schedule that cannot
+be saved as data (a lambda, a closure) is recorded by name only and the optimizer loading the checkpoint
+must have been built with one. The whole state_dict is therefore made of tensors, numbers, strings,
+lists, tuples and dicts: ``torch.save`` it and ``torch.load(..., weights_only=True)`` reads it back.
 
 A state_dict records each parameter's encoding in its keys and dtypes: loading one saved in another
 state mode decodes it and encodes it in the loading optimizer's (a split master against the
@@ -32,8 +37,11 @@ parameters; ``torch.optim.Optimizer.load_state_dict`` would cast it to float16) 
 count, key, shape, dtype and hyperparameter is checked first; on a mismatch :class:`CheckpointError`
 names the parameter index and what differs, and the optimizer is left exactly as it was. Values are
 then copied *into* the optimizer's state tensors (created through its state layer,
-:class:`halfadam.state.ParamStates`), moving to the parameter's device. A ``torch.optim.Adam``/``AdamW`` state_dict loads too (its moments are
+:class:`halfadam.state.ParamStates`), moving to the parameter's device. The state_dict of the
+optimizer's counterpart outside halfadam loads too (``torch.optim.Adam``/``AdamW``, ``torch.optim.SGD``,
+lucidrains' or optimi's ``Lion``: the optimizer's ``_torch_*`` hooks say how it looks; its moments are
 upcast to float32, exactly; the master weights are rebuilt from the parameters with a warning), and
+:func:`to_torch_state_dict` writes one.
 
 This module sits below :mod:`halfadam.optimizer` (whose ``state_dict``/``load_state_dict`` call it) and
 never imports it: it works on any optimizer with halfadam's groups and state layer
@@ -57,7 +65,7 @@ from torch import Tensor
 
 from . import encodings, hyperparams
 from ._dtensor import flat_offset, like_param, local
-from .functional import DECAY_MODES
+from .param_groups import check_group_keys
 from .state import REMAINDER_DTYPE
 from .state_checks import readable
 
@@ -66,9 +74,8 @@ __all__ = ["CheckpointError", "encode_schedule", "decode_schedule", "optimizer_s
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _SCHEDULE_KEYS = ("lr_schedule", "weight_decay_schedule")
-#: Group keys of torch.optim.Adam/AdamW that halfadam has no use for (dropped on load).
-_TORCH_ONLY_GROUP_KEYS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
-                          "decoupled_weight_decay")
+#: The group keys of every halfadam optimizer (beside its rule's: the optimizer's ``_parsers`` and ``_required``).
+_ENGINE_KEYS = ("params", "param_names", "lr", "weight_decay", *_SCHEDULE_KEYS, "master_weights", "global_step")
 #: Modules whose schedule classes a checkpoint may name without the loading optimizer holding one.
 _TRUSTED_SCHEDULE_MODULES = ("halfadam.",)
 
@@ -218,7 +225,8 @@ def decode_schedule(entry: Any, current: Any, where: str) -> Any:
 def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The state of a halfadam optimizer, in torch's layout (see the module docstring).
 
-    Per parameter: ``step`` (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (float32; float64 for
+    Per parameter: ``step`` (0-d float32), the rule's moments (AdamW's ``exp_avg`` and ``exp_avg_sq``,
+    SGD's ``momentum_buffer``, Lion's ``exp_avg``; float32, float64 for
     float64 parameters) and ``master_weight`` (float32) where the parameter has one; parameters that
     never took a step have no entry. Where the moments are 8-bit codes (uint8: state modes
     ``compact``, ``tiny``), ``step`` is a label, the dict :data:`halfadam.encodings.CODES_LABEL` with the
@@ -286,15 +294,38 @@ def _where(index: int, gi: int, j: int, p: Tensor) -> str:
     return f"parameter {index} (param_groups[{gi}]['params'][{j}], shape {tuple(p.shape)}, {p.dtype})"
 
 
-def _group_kind(group: Mapping[str, Any], gi: int) -> str:
-    if "global_step" in group and "decay" in group:
+def _group_kind(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], gi: int) -> str:
+    """"halfadam" (a group with ``global_step``) or "torch" (one of the optimizer's counterpart outside
+    halfadam: ``optimizer._torch_keys``); CheckpointError naming its keys otherwise."""
+    if "global_step" in group:
         return "halfadam"
-    if "betas" in group and "eps" in group:
+    if any(all(k in group for k in keys) for keys in optimizer._torch_keys):  # type: ignore[attr-defined]
         return "torch"
     raise CheckpointError(
-        f"param_groups[{gi}] in the checkpoint is neither a halfadam group nor a torch.optim.Adam/AdamW one "
-        f"(keys {sorted(k for k in group if k != 'params')})"
+        f"param_groups[{gi}] in the checkpoint is neither a halfadam group nor a "
+        f"{optimizer._torch_name} one (keys {sorted(k for k in group if k != 'params')})"  # type: ignore[attr-defined]
     )
+
+
+def _rule_keys(optimizer: torch.optim.Optimizer) -> Tuple[str, ...]:
+    """The group keys of ``optimizer``'s rule (Adam's ``betas``, ``eps``, ``decay``, ``optimized_update``)."""
+    return tuple(dict.fromkeys((*optimizer._parsers, *optimizer._required)))  # type: ignore[attr-defined]
+
+
+def _check_rule(optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """CheckpointError where a halfadam checkpoint's group lacks a key of ``optimizer``'s rule: it was
+    written by an optimizer of another rule (an AdamW's loaded into an SGD); the message names the keys
+    this optimizer's groups hold and those the checkpoint's hold instead."""
+    own = _rule_keys(optimizer)
+    for gi, group in enumerate(saved_groups):
+        missing = [k for k in own if k not in group]
+        if missing:
+            other = sorted(k for k in group if k not in own and k not in _ENGINE_KEYS)
+            rule = optimizer.rule.name  # type: ignore[attr-defined]
+            raise CheckpointError(
+                f"param_groups[{gi}] in the checkpoint has no {missing}, which every group of this "
+                f"{type(optimizer).__name__} holds (its update rule {rule!r} keeps {list(own)}); it holds "
+                f"{other} instead: it was written by another optimizer (load it into one of that class)")
 
 
 def _check_number(value: Any, where: str, *, allow_tensor: bool = True) -> float:
@@ -314,8 +345,11 @@ def _check_step(value: Any, where: str) -> float:
     return step
 
 
-def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, gi: int) -> Dict[str, Any]:
-    """The group after loading: the checkpoint's hyperparameters over the current group's, validated."""
+def _merge_group(optimizer: torch.optim.Optimizer, current: Dict[str, Any], saved: Mapping[str, Any], kind: str,
+                 gi: int) -> Tuple[Dict[str, Any], List[str]]:
+    """The group after loading: the checkpoint's hyperparameters over the current group's, validated as a
+    step validates a group (``optimizer``'s rule's parsers and options); and the warnings to give (a
+    torch checkpoint's that ``optimizer._from_torch_group`` finds)."""
     where = f"param_groups[{gi}]"
     new = {k: v for k, v in current.items() if k != "params"}
     # master_weights is structure (which parameters own an fp32 copy, how state is laid out), not a
@@ -324,31 +358,21 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
     # without names takes the checkpoint's, as torch does
     kept = ("params", "master_weights") + (("param_names",) if "param_names" in current else ())
     saved = {k: v for k, v in saved.items() if k not in kept}
-    if kind == "torch":
-        if saved.get("amsgrad"):
-            raise CheckpointError(f"{where}: the checkpoint was written with amsgrad=True, which halfadam "
-                                  f"does not implement")
-        if saved.get("maximize"):
-            raise CheckpointError(f"{where}: the checkpoint was written with maximize=True, which halfadam "
-                                  f"does not implement")
-        for key in _TORCH_ONLY_GROUP_KEYS:
-            saved.pop(key, None)
-    else:
-        for key in _SCHEDULE_KEYS:
-            if key in saved:
-                saved[key] = decode_schedule(saved[key], current.get(key), f"{where}['{key}']")
-    new.update(saved)
+    notes: List[str] = []
     try:
-        if new.get("decay") not in DECAY_MODES:
-            raise CheckpointError(f"{where}['decay'] must be one of {DECAY_MODES}, got {new.get('decay')!r}")
-        if not isinstance(new.get("optimized_update"), bool):
-            raise CheckpointError(f"{where}['optimized_update'] must be a bool, got {new.get('optimized_update')!r}")
+        if kind == "torch":  # the rule's keys and the user's, the counterpart's flags dropped
+            saved, notes = optimizer._from_torch_group(saved, current, where)  # type: ignore[attr-defined]
+        else:
+            for key in _SCHEDULE_KEYS:
+                if key in saved:
+                    saved[key] = decode_schedule(saved[key], current.get(key), f"{where}['{key}']")
+        new.update(saved)
         gs = new.get("global_step")
         if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 0:
             raise CheckpointError(f"{where}['global_step'] must be an int >= 0, got {gs!r}")
-        new["betas"] = hyperparams.parse_betas(tuple(new["betas"]) if isinstance(new["betas"], list) else new["betas"],
-                                               f"{where}['betas']")
-        new["eps"] = hyperparams.parse_eps(new["eps"], f"{where}['eps']")
+        check_group_keys(new, where, tuple(optimizer._parsers))  # type: ignore[attr-defined]
+        for key, parse in optimizer._parsers.items():  # type: ignore[attr-defined]
+            new[key] = parse(new[key], f"{where}['{key}']")
         for key in ("lr", "weight_decay"):
             value = new[key]
             if isinstance(value, Tensor):
@@ -357,22 +381,29 @@ def _merge_group(current: Dict[str, Any], saved: Mapping[str, Any], kind: str, g
                 hyperparams.check_value(value.item(), f"{where}['{key}']")
             else:
                 hyperparams.check_value(_check_number(value, f"{where}['{key}']"), f"{where}['{key}']")
+        optimizer._options(new, where)  # type: ignore[attr-defined]  # the rule's own checks (SGD's nesterov...)
     except CheckpointError:
         raise
     except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
-    return new
+        message = str(exc)
+        raise CheckpointError(message if message.startswith(where) else f"{where}: {message}") from None
+    return new, notes
 
 
 def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPlan:
     """Check ``state_dict`` against ``optimizer`` completely; change nothing. Raises CheckpointError."""
-    saved_groups, saved_state, kind = _check_structure(state_dict, optimizer.param_groups)
+    saved_groups, saved_state, kind = _check_structure(optimizer, state_dict)
     slots = _slots(optimizer.param_groups, saved_groups, saved_state)
-    new_groups = [_merge_group(g, s, kind, gi) for gi, (g, s) in enumerate(zip(optimizer.param_groups, saved_groups))]
+    merged = [_merge_group(optimizer, g, s, kind, gi)
+              for gi, (g, s) in enumerate(zip(optimizer.param_groups, saved_groups))]
+    new_groups = [group for group, _ in merged]
     plan = _LoadPlan(groups=new_groups, loads=[], clear=[])
-    plan.warnings += _decay_warnings(kind, optimizer.param_groups, saved_groups, new_groups)
+    plan.warnings += ([note for _, notes in merged for note in notes] if kind == "torch"
+                      else _decay_warnings(optimizer, new_groups))
     for pid, (p, gi, j, index) in slots.items():
         saved = saved_state.get(pid)
+        if kind == "torch":
+            saved = _torch_entry(optimizer, saved)
         if saved is None:
             plan.clear.append(p)
         else:
@@ -381,8 +412,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
     if kind == "torch":  # torch has no global step: the optimizer's steps are its parameters' most (0: none)
         for gi, group in enumerate(plan.groups):
             group["global_step"] = int(max([load.step for load in plan.loads if load.group_index == gi], default=0))
-    dropped = [index for pid, (p, gi, j, index) in slots.items()
-               if pid not in saved_state and optimizer.state.get(p)]
+    cleared = {id(p) for p in plan.clear}
+    dropped = [index for pid, (p, gi, j, index) in slots.items() if id(p) in cleared and optimizer.state.get(p)]
     if dropped:
         plan.warnings.append(
             f"parameter(s) {dropped[:10]}{'...' if len(dropped) > 10 else ''} have no state in the checkpoint (a "
@@ -390,7 +421,8 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
     _check_schedules(plan.groups)
     rebuilt = [load.index for load in plan.loads if load.rebuild_master]
     if rebuilt:
-        source = "a torch.optim checkpoint" if kind == "torch" else "a checkpoint written without master weights"
+        source = (f"a {optimizer._torch_name} checkpoint" if kind == "torch"  # type: ignore[attr-defined]
+                  else "a checkpoint written without master weights")
         plan.warnings.append(
             f"master weights rebuilt from the current parameter values for parameter(s) {rebuilt} ({source} has "
             f"none); load the model's weights before the optimizer's"
@@ -398,9 +430,11 @@ def _prepare_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> _LoadPla
     return plan
 
 
-def _check_structure(state_dict: Any, groups: List[Dict[str, Any]]) -> Tuple[list, Mapping, str]:
-    """``(saved param_groups, saved state, kind)`` of a state_dict whose layout fits ``groups`` (a dict
-    with 'state' and 'param_groups', as many groups, all of one kind: "halfadam" or "torch")."""
+def _check_structure(optimizer: torch.optim.Optimizer, state_dict: Any) -> Tuple[list, Mapping, str]:
+    """``(saved param_groups, saved state, kind)`` of a state_dict whose layout fits ``optimizer``'s groups
+    (a dict with 'state' and 'param_groups', as many groups, all of one kind: "halfadam" or "torch" (the
+    optimizer's counterpart's), a halfadam one of the optimizer's rule: :func:`_check_rule`)."""
+    groups = optimizer.param_groups
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointError("an optimizer state_dict must be a dict with 'state' and 'param_groups'")
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -412,10 +446,24 @@ def _check_structure(state_dict: Any, groups: List[Dict[str, Any]]) -> Tuple[lis
         raise CheckpointError(
             f"the checkpoint has {len(saved_groups)} parameter group(s), this optimizer has {len(groups)}"
         )
-    kinds = [_group_kind(g, gi) for gi, g in enumerate(saved_groups)]
+    kinds = [_group_kind(optimizer, g, gi) for gi, g in enumerate(saved_groups)]
     if len(set(kinds)) > 1:
         raise CheckpointError("the checkpoint mixes halfadam and torch.optim parameter groups")
+    if kinds and kinds[0] == "halfadam":
+        _check_rule(optimizer, saved_groups)
     return saved_groups, saved_state, kinds[0] if kinds else "halfadam"
+
+
+def _torch_entry(optimizer: torch.optim.Optimizer, saved: Any) -> Any:
+    """A parameter's entry of a torch checkpoint as halfadam reads it: without the keys that
+    ``optimizer._torch_dropped`` names (optimi's ``kahan_comp``) and the ``None`` values (an older
+    torch.optim.SGD's ``momentum_buffer`` at momentum 0: none made); ``None`` (no state) where nothing
+    is left of it."""
+    if not isinstance(saved, Mapping) or not saved:
+        return saved
+    entry = {k: v for k, v in saved.items()
+             if v is not None and k not in optimizer._torch_dropped}  # type: ignore[attr-defined]
+    return entry or None
 
 
 def _slots(groups: List[Dict[str, Any]], saved_groups: list,
@@ -464,24 +512,13 @@ def _by_name(ids: Sequence[Any], group: Mapping[str, Any], saved: Mapping[str, A
     return [ids[position[name]] for name in names]
 
 
-def _decay_warnings(kind: str, groups: List[Dict[str, Any]], saved_groups: list, new_groups: list) -> List[str]:
-    """Where the checkpoint decays weights otherwise than this optimizer: a torch one (AdamW vs Adam),
-    or another halfadam class (its ``decay``/``optimized_update`` replace this optimizer's)."""
+def _decay_warnings(optimizer: torch.optim.Optimizer, new_groups: list) -> List[str]:
+    """Where a halfadam checkpoint was written by another class of the optimizer's rule: its values of
+    the keys the class sets (``optimizer._class_keys``: Adam's ``decay``, ``optimized_update``) replace
+    this optimizer's. (A torch checkpoint's warnings are ``optimizer._from_torch_group``'s.)"""
     warnings_ = []
-    if kind == "torch":
-        for gi, saved in enumerate(saved_groups):
-            dwd = saved.get("decoupled_weight_decay")
-            wd = new_groups[gi]["weight_decay"]
-            wd = wd.item() if isinstance(wd, Tensor) else wd
-            if dwd is not None and wd and bool(dwd) != (new_groups[gi]["decay"] == "decoupled"):
-                warnings_.append(
-                    f"param_groups[{gi}]: the checkpoint decays weights "
-                    f"{'decoupled (AdamW)' if dwd else 'as L2 (Adam)'}, "
-                    f"this optimizer with decay={new_groups[gi]['decay']!r}; continuing with this optimizer's"
-                )
-        return warnings_
-    for gi, (current, new) in enumerate(zip(groups, new_groups)):
-        for key in ("decay", "optimized_update"):
+    for gi, (current, new) in enumerate(zip(optimizer.param_groups, new_groups)):
+        for key in optimizer._class_keys:  # type: ignore[attr-defined]
             if key in current and current[key] != new[key]:
                 warnings_.append(
                     f"param_groups[{gi}]: the checkpoint's {key}={new[key]!r} replaces this optimizer's "
@@ -508,13 +545,23 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     remainder_dtype = _remainder_dtype(saved.pop(REMAINDER_DTYPE, None), where) if kind == "halfadam" else None
+    moments = optimizer.state_format.moments  # type: ignore[attr-defined]  # the rule's (key, kind)
+    keys = [key for key, _ in moments]
+    foreign = sorted(k for k in saved if k in encodings.MOMENT_KINDS and k not in keys)
+    if foreign:
+        rule = optimizer.rule.name  # type: ignore[attr-defined]
+        raise CheckpointError(
+            f"{where}: the checkpoint's state holds {foreign}, which this {type(optimizer).__name__} does not keep "
+            f"(its update rule {rule!r} keeps {keys or 'no moment'}): it was written by another optimizer")
     allowed = ({"step", *encodings.ELEMENT_KEYS, *encodings.BLOCK_KEYS, *encodings.LEGACY_BLOCK_KEYS}
                if kind == "halfadam"
-               else {"step", "exp_avg", "exp_avg_sq"})
+               else {"step", *keys})
     unexpected = sorted(set(saved) - allowed)
     if unexpected:
         raise CheckpointError(f"{where}: unexpected state key(s) {unexpected} in the checkpoint")
-    missing = sorted({"step", "exp_avg", "exp_avg_sq"} - set(saved))
+    # torch.optim.SGD's state holds no step count (optimizer._torch_step): each entry counts as one step taken
+    counted = kind == "halfadam" or optimizer._torch_step  # type: ignore[attr-defined]
+    missing = sorted({*keys, *(("step",) if counted else ())} - set(saved))
     if missing:
         raise CheckpointError(f"{where}: state key(s) {missing} missing from the checkpoint")
     has_master = encodings.has_master(saved)
@@ -528,19 +575,20 @@ def _param_load(optimizer: torch.optim.Optimizer, p: Tensor, group: Dict[str, An
     for name in saved:
         if name != "step" and not isinstance(saved[name], Tensor):
             raise CheckpointError(f"{where}: {name} must be a tensor, got {type(saved[name]).__name__}")
-    fmt = _saved_format(saved, p, kind, remainder_dtype, where)
+    fmt = _saved_format(saved, p, kind, remainder_dtype, moments, where)
     values = _checked_values(saved, p, fmt, has_master, kind, where)
-    step = _check_step(saved["step"], f"{where}: step")
+    step = _check_step(saved["step"], f"{where}: step") if "step" in saved else 1.0
     return _ParamLoad(p, gi, index, values, step, use_master and not has_master, fmt)
 
 
 def _saved_format(saved: Dict[str, Any], p: Tensor, kind: str, remainder_dtype: Optional[str],
-                  where: str) -> encodings.StateFormat:
-    """The state format ``saved`` is written in (torch's and float64 state: fp32's), checked against ``p``."""
+                  moments: Tuple[Tuple[str, str], ...], where: str) -> encodings.StateFormat:
+    """The state format ``saved`` is written in (torch's and float64 state: fp32's) for a rule keeping
+    ``moments``, checked against ``p``."""
     if kind != "halfadam" or p.dtype == torch.float64:
-        return encodings.StateFormat()
+        return encodings.StateFormat().for_rule(moments)
     try:
-        fmt = encodings.format_of(saved)
+        fmt = encodings.format_of(saved, moments)
     except ValueError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     if fmt.master == "split" and p.dtype not in _HALF_DTYPES:
@@ -653,7 +701,7 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
             deferred.append(load)
             continue
         state = optimizer._states.init(p, group)  # the optimizer's own tensors (views into flat buffers)
-        target = encodings.format_of(state)  # this optimizer's encoding of the parameter's state
+        target = encodings.format_of(state, load.format.moments)  # this optimizer's encoding of the parameter's state
         same = load.format == target and all(v.shape == state[k].shape for k, v in load.values.items())
         if p.dtype == torch.float64 or (same and not load.rebuild_master):
             for name, value in load.values.items():  # the same encoding: bit for bit
@@ -680,7 +728,7 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
         p = load.param
         lp = local(p)
         values = {k: local(v).to(lp.device) for k, v in load.values.items()}
-        moments = encodings.decode_state(load.format, lp, values, ("exp_avg", "exp_avg_sq"))
+        moments = encodings.decode_state(load.format, lp, values, tuple(key for key, _ in load.format.moments))
         kept = {k: v.clone() for k, v in values.items() if k.startswith("master_")}
         state = optimizer.state[p]
         state.clear()
@@ -693,19 +741,27 @@ def _commit_load(optimizer: torch.optim.Optimizer, plan: _LoadPlan) -> None:
 
 
 def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
-    """Load a halfadam or ``torch.optim.Adam``/``AdamW`` state_dict into a halfadam optimizer, atomically.
+    """Load a halfadam state_dict of the optimizer's update rule, or one of its counterpart's
+    (``torch.optim.Adam``/``AdamW`` for the Adam classes, ``torch.optim.SGD`` for :class:`halfadam.SGD`,
+    lucidrains' or optimi's ``Lion`` for :class:`halfadam.Lion`), into a halfadam optimizer, atomically.
 
     From a halfadam state_dict: every hyperparameter (as torch: the checkpoint's values replace the
-    optimizer's), ``global_step`` and schedule, and per parameter ``step``, ``exp_avg``, ``exp_avg_sq``
-    and ``master_weight`` (copied into the optimizer's tensors, which keep their dtype: float32, or
+    optimizer's), ``global_step`` and schedule, and per parameter ``step``, the rule's moments (Adam's
+    ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer``; Lion's ``exp_avg``) and ``master_weight``
+    (copied into the optimizer's tensors, which keep their dtype: float32, or
     float64 for float64 parameters; moved to the parameter's device). ``master_weights`` is not
     loaded: it is structure (which parameters own an fp32 copy), and the checkpoint must fit the
     loading optimizer's (a saved master for a parameter without one is an error; a parameter whose
     master is missing from the checkpoint gets it rebuilt from its value, with a warning).
-    From a torch one: ``lr``, ``betas``, ``eps``, ``weight_decay`` and the steps and moments (upcast to
-    float32, exactly); halfadam's own group keys (schedules, ``decay``...) stay as they are, each group's
-    ``global_step`` becomes its parameters' largest step, and master weights are rebuilt from the
-    parameters (a ``UserWarning`` says so: load the model first).
+    From a counterpart's: ``lr``, ``weight_decay``, the rule's keys (``betas``, ``eps``; SGD's
+    ``momentum``, ``dampening``, ``nesterov``, ``maximize``; optimi's ``beta1``, ``beta2`` as ``betas``) and
+    the steps and moments (upcast to float32, exactly); halfadam's own group keys (schedules,
+    ``decay``...) stay as they are, each group's ``global_step`` becomes its parameters' largest step,
+    and master weights are rebuilt from the parameters (a ``UserWarning`` says so: load the model
+    first). torch's SGD and the Lions keep no step count: each loaded entry counts as *one step taken*
+    (so a loaded ``momentum_buffer`` is carried on, ``b <- mu * b + (1 - dampening) * g``, not replaced
+    by the first step's ``b <- g``; a ``None`` buffer, an older torch's at momentum 0, is no state);
+    optimi's ``kahan_comp`` is dropped (the master is rebuilt from the parameter).
 
     Parameters without state in the checkpoint lose theirs (as in torch: it is rebuilt at their next step).
     A state the load cannot fill in place (made for an old shape of its parameter, written by hand into
@@ -726,7 +782,10 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
             parameter's; a state tensor that is not in the optimizer's state dtype (halfadam
             checkpoints) or would lose precision converted to it (torch ones); a master weight for a
             parameter this optimizer keeps none for; an invalid hyperparameter, step or schedule;
-            amsgrad or maximize in a torch checkpoint; ``param_names`` on both sides that differ (the
+            amsgrad or maximize in a torch checkpoint (optimi's ``decouple_lr`` in a Lion one); a
+            checkpoint of another update rule (an AdamW's loaded into an SGD: the message names the group
+            keys or the moments that differ); an SGD's with momentum loaded into one built without (it
+            keeps no ``momentum_buffer``); ``param_names`` on both sides that differ (the
             message names what only one side has); a ``step`` label this version does not read (a
             newer halfadam's, or not halfadam's), a label over moments that are not uint8, or a
             ``halfadam_step`` without a label.
@@ -743,17 +802,23 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: Mapp
 
 
 def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The optimizer's state as a ``torch.optim.AdamW`` (or ``Adam``) state_dict, to continue in torch.
+    """The optimizer's state as its counterpart's state_dict, to continue there: ``torch.optim.AdamW``
+    (or ``Adam``) for :class:`halfadam.AdamW`, ``Adam``, ``AdamFP16``; ``torch.optim.SGD`` for
+    :class:`halfadam.SGD`; lucidrains' ``lion_pytorch.Lion`` for :class:`halfadam.Lion` (optimi's Lion
+    keeps ``beta1``, ``beta2`` instead of ``betas``).
 
-    Per parameter: ``step`` (a 0-d float32 tensor: never the label of :func:`optimizer_state_dict`)
-    and float32 copies of ``exp_avg`` and ``exp_avg_sq`` (decoded from bfloat16 or 8-bit state
-    modes); master weights are
-    dropped (torch updates the parameters themselves; ``torch.optim.Optimizer.load_state_dict`` casts
-    the moments to the parameter's dtype). Per group: the learning rate and weight decay of the *next*
-    step (a schedule evaluated at ``global_step``; attach a torch lr_scheduler to go on scheduling),
-    ``betas``, ``eps``, torch's flags with their defaults and ``decoupled_weight_decay`` (``True`` for
-    decay ``"decoupled"``, so ``torch.optim.Adam`` loading it behaves as AdamW too). Other keys (e.g.
-    ``initial_lr``) are kept.
+    Per parameter: float32 copies of the rule's moments (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's
+    ``momentum_buffer``, Lion's ``exp_avg``; decoded from bfloat16 or 8-bit state modes) and, for Adam,
+    ``step`` (a 0-d float32 tensor: never the label of :func:`optimizer_state_dict`). torch's SGD and
+    Lion keep no step count: a parameter without a moment (SGD at momentum 0) or that has not stepped
+    yet has no entry, as there. Master weights are dropped (torch updates the parameters themselves;
+    ``torch.optim.Optimizer.load_state_dict`` casts the moments to the parameter's dtype). Per group:
+    the learning rate and weight decay of the *next* step (a schedule evaluated at ``global_step``;
+    attach a torch lr_scheduler to go on scheduling) and the rule's keys as the counterpart has them
+    (the optimizer's ``_torch_group``): Adam's ``betas``, ``eps``, torch's flags with their defaults and
+    ``decoupled_weight_decay`` (``True`` for decay ``"decoupled"``, so ``torch.optim.Adam`` loading it
+    behaves as AdamW too); SGD's ``momentum``, ``dampening``, ``nesterov``, ``maximize`` and torch's
+    kernel hints; Lion's ``betas``. Other keys (e.g. ``initial_lr``) are kept.
 
     Raises:
         ValueError: a group with decay ``"absolute"`` and a weight decay > 0 (torch has no such decay); a
@@ -766,7 +831,7 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         for p in group["params"]:
             optimizer._states.check_state(p, group)  # type: ignore[attr-defined]
     packed = torch.optim.Optimizer.state_dict(optimizer)
-    halfadam_keys = set(_SCHEDULE_KEYS) | {"decay", "optimized_update", "master_weights", "global_step"}
+    halfadam_keys = {*_SCHEDULE_KEYS, "master_weights", "global_step", *_rule_keys(optimizer)}
     groups = []
     for gi, (group, pg) in enumerate(zip(optimizer.param_groups, packed["param_groups"])):
         where = f"param_groups[{gi}]"
@@ -778,31 +843,29 @@ def to_torch_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
             else:
                 v = group[key]
                 values[key] = float(v.item() if isinstance(v, Tensor) else v)
-        if group["decay"] == "absolute" and values["weight_decay"] > 0:
-            raise ValueError(f"{where}: decay 'absolute' (w <- w * (1 - wd)) has no torch.optim equivalent")
-        if group["optimized_update"]:
-            warnings.warn(f"{where}: optimized_update=True has no torch.optim equivalent; torch adds eps after "
-                          f"bias correction", UserWarning, stacklevel=2)
-        tg = {k: v for k, v in pg.items() if k not in halfadam_keys and k != "params"}
-        tg.update(lr=values["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=values["weight_decay"],
-                  amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                  decoupled_weight_decay=group["decay"] == "decoupled", params=list(pg["params"]))
+        rule = optimizer._torch_group(group, values["weight_decay"], where)  # type: ignore[attr-defined]
+        tg = {k: v for k, v in pg.items() if (k not in halfadam_keys or k in rule) and k != "params"}
+        tg.update(lr=values["lr"], **rule, weight_decay=values["weight_decay"], params=list(pg["params"]))
         groups.append(tg)
     state = {}
     params = [p for g in optimizer.param_groups for p in g["params"]]  # torch's indices: this order
+    moments = optimizer.state_format.moments  # type: ignore[attr-defined]
+    counted = optimizer._torch_step  # type: ignore[attr-defined]  # torch.optim.SGD's state holds no step count
     for pid, st in packed["state"].items():
         st = encodings.unlabelled(st, f"parameter {pid}")  # a state ZeroRedundancyOptimizer loaded, labelled
         step = st["step"]
-        moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
-        if st["exp_avg"].dtype not in (torch.float32, torch.float64) or st["exp_avg_sq"].dtype != st["exp_avg"].dtype:
+        step = (step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
+                else torch.tensor(float(step), dtype=torch.float32))
+        if not counted and (not moments or step.item() == 0):
+            continue  # no moment, or none made by a step yet: the counterpart keeps no state for it
+        values = {k: st[k] for k, _ in moments}
+        dtypes = {v.dtype for v in values.values()}
+        if dtypes - {torch.float32, torch.float64} or len(dtypes) > 1:
             p = params[pid]  # encoded moments, decoded (a DTensor's on its local shard, sharded like it)
-            decoded = encodings.decode_state(encodings.format_of(st), local(p), {k: local(v) for k, v in st.items()})
-            moments = {k: like_param(decoded[k], p) for k in moments}
-        state[pid] = {
-            "step": step.detach().to("cpu", torch.float32, copy=True) if isinstance(step, Tensor)
-            else torch.tensor(float(step), dtype=torch.float32),
-            **{k: v.detach().clone() for k, v in moments.items()},
-        }
+            decoded = encodings.decode_state(encodings.format_of(st, moments), local(p),
+                                             {k: local(v) for k, v in st.items()})
+            values = {k: like_param(decoded[k], p) for k in values}
+        state[pid] = {**({"step": step} if counted else {}), **{k: v.detach().clone() for k, v in values.items()}}
     return {"state": state, "param_groups": groups}
 
 

@@ -1,10 +1,10 @@
-// halfadam's hand-written CPU kernel: one Adam/AdamW step over a list of parameters whose state lives in
-// a bucket's flat buffers, in one call (the "cpp" implementation).
+// halfadam's hand-written CPU kernel: one step of an update rule (Adam/AdamW, SGD or Lion) over a list of
+// parameters whose state lives in a bucket's flat buffers, in one call (the "cpp" implementation).
 //
 // The equations are halfadam.functional's, term for term and in the same order of operations
 // (halfadam.functional.adam_elementwise_ with tensor coefficients, halfadam.functional.sync_master_);
 // it is compiled with -ffp-contract=off so no multiply-add is fused into one rounding. Per element,
-// with c = the coefficients of halfadam.functional.adam_coefficients:
+// with c = the coefficients of halfadam.functional.adam_coefficients (rule 0, Adam):
 //
 //   g  = float(grad) [* grad_scale]
 //   w  = master, or p where p != round(master)            (master sync; w = p for float32 params;
@@ -15,6 +15,20 @@
 //   d  = sqrt(v) + c.eps   (optimized_update)  |   d = sqrt(v) / c.sqrt_bias_correction2 + c.eps
 //   w  = w - (m / d) * c.step_size
 //   master = w;  p = round(w)   (round to nearest even, as Tensor.copy_)
+//
+// Rules 1 (SGD) and 2 (Lion) share everything but the lines between the moments' loads and the new w
+// (lanes(), `if constexpr` on the rule), each op rounded once in this order; they keep one signed
+// moment, in the exp_avg slot and encoded as exp_avg is (or none: SGD without momentum), never an
+// exp_avg_sq. SGD (c = l2, momentum_a, momentum_b, nesterov_momentum, lr, sign; flags L2, NESTEROV):
+//   g = g * c.sign;  g = g + c.l2 * w (L2)
+//   buf = buf * c.momentum_a + g * c.momentum_b;  d = g + buf * c.nesterov_momentum (NESTEROV) | buf
+//        (without momentum: no buf, d = g)
+//   w = w - d * c.lr
+// Lion (c = decay_factor, lr, beta1, one_minus_beta1, beta2, one_minus_beta2; no flags):
+//   w = w * c.decay_factor;  u = m * c.beta1 + g * c.one_minus_beta1
+//   s = (u > 0 ? 1 : 0) - (u < 0 ? 1 : 0)   (+0 for +-0 and nan, as torch.sign on the CPU)
+//   w = w - s * c.lr;  m = m * c.beta2 + g * c.one_minus_beta2
+//        (s * c.lr: the one of its three values, each made once per call: the same bits)
 //
 // State encodings (halfadam.encodings is their specification; the functions named there are mirrored
 // here bit for bit): the master is fp32 ("master_weight"), split ("master_hi" int8, "master_lo"
@@ -248,6 +262,7 @@ struct Lanes1 {
   static HA_INLINE M ieq(I a, I b) { return a == b; }
   static HA_INLINE M igt(I a, I b) { return a > b; }
   static HA_INLINE M fneq(F a, F b) { return a != b; }  // unordered: true where either is nan
+  static HA_INLINE M fgt(F a, F b) { return a > b; }    // ordered: false where either is nan
   static HA_INLINE M fnan(F a) { return a != a; }
   static HA_INLINE M nonfinite(F a) { return (float_to_bits(a) & 0x7F800000u) == 0x7F800000u; }  // nan, +-inf
   static HA_INLINE M special(F a) { return nonfinite(a) || (float_to_bits(a) << 1) == 0; }     // ... or +-0
@@ -360,6 +375,7 @@ struct Lanes8 {
   static HA_INLINE M ieq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   static HA_INLINE M igt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   static HA_INLINE M fneq(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, b.x, _CMP_NEQ_UQ)); }
+  static HA_INLINE M fgt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, b.x, _CMP_GT_OQ)); }
   static HA_INLINE M fnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.x, a.x, _CMP_UNORD_Q)); }
   static HA_INLINE M nonfinite(F a) {
     const I e = _mm256_and_si256(bits(a), seti(0x7F800000));
@@ -481,6 +497,7 @@ struct Lanes16 {
   static HA_INLINE M ieq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   static HA_INLINE M igt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   static HA_INLINE M fneq(F a, F b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_NEQ_UQ); }
+  static HA_INLINE M fgt(F a, F b) { return _mm512_cmp_ps_mask(a.x, b.x, _CMP_GT_OQ); }
   static HA_INLINE M fnan(F a) { return _mm512_cmp_ps_mask(a.x, a.x, _CMP_UNORD_Q); }
 #ifdef __AVX512DQ__  // vfpclassps: 0x01 quiet nan, 0x02 +0, 0x04 -0, 0x08 +inf, 0x10 -inf, 0x80 signalling nan
   static HA_INLINE M nonfinite(F a) { return _mm512_fpclass_ps_mask(a.x, 0x99); }
@@ -980,6 +997,9 @@ HA_INLINE void encode_block(const float* mx, const float* vx, uint8_t* mc, uint8
 
 // ---------------------------------------------------------------- the step
 enum class Master { kNone, kFp32, kSplit, kSplit8 };
+// The update rules (halfadam.functional.Rule.kernel): the lines of lanes() between the moments' loads
+// and the new weight are the rule's, the rest is shared.
+enum Rule : int { kAdam = 0, kSgd = 1, kLion = 2 };
 
 struct Item {
   void* param;
@@ -997,18 +1017,23 @@ struct Step {
                             // split8 (Master::kSplit8): master_hi alone, the 8-bit remainder
   uint8_t* master_lo;
   uint8_t* master_tie;
-  void* exp_avg;            // float32, bfloat16 or uint8 codes (MA), and the same for exp_avg_sq (MV)
-  void* exp_avg_sq;
+  void* exp_avg;            // float32, bfloat16 or uint8 codes (MA), and the same for exp_avg_sq (MV);
+  void* exp_avg_sq;         // null where the rule keeps no such moment (NoMoment)
   uint8_t* exp_avg_scale;   // uint8 moments: one base exponent per block (else null)
   uint8_t* exp_avg_sq_scale;
-  float c[9];               // adam_coefficients, then the gradient scale
+  float c[9];               // the rule's coefficients (Adam 8, SGD and Lion 6, the rest 0), then the gradient scale
   bool scaled;              // a gradient scale (else c[8] is not applied)
-  bool l2, optimized;       // decay "l2" (else decoupled); optimized_update
+  bool l2, optimized;       // Adam: decay "l2" (else decoupled), optimized_update; SGD: l2 = weight decay on
+  bool nesterov;            // SGD: nesterov momentum
   uint32_t seed_term;       // the random bits' seed (the step and the salt)
 };
 
+// The rule's coefficients in lanes (Step::c, in the order the Python side passes them), the gradient scale
+// and the hash's multipliers (a bfloat16 moment's hashes).
+template <class L, int RULE>
+struct Coefficients;
 template <class L>
-struct Coefficients {
+struct Coefficients<L, kAdam> {
   typename L::F decay_factor, l2, step_size, sqrt_bias_correction2, one_minus_beta1, beta2, one_minus_beta2, eps,
       grad_scale;
   Mixers<L> mix;  // a bfloat16 moment's hashes
@@ -1016,6 +1041,27 @@ struct Coefficients {
       : decay_factor(L::set(c[0])), l2(L::set(c[1])), step_size(L::set(c[2])), sqrt_bias_correction2(L::set(c[3])),
         one_minus_beta1(L::set(c[4])), beta2(L::set(c[5])), one_minus_beta2(L::set(c[6])), eps(L::set(c[7])),
         grad_scale(L::set(c[8])) {}
+};
+template <class L>
+struct Coefficients<L, kSgd> {
+  typename L::F l2, momentum_a, momentum_b, nesterov_momentum, lr, sign, grad_scale;
+  Mixers<L> mix;
+  explicit Coefficients(const float* c)
+      : l2(L::set(c[0])), momentum_a(L::set(c[1])), momentum_b(L::set(c[2])), nesterov_momentum(L::set(c[3])),
+        lr(L::set(c[4])), sign(L::set(c[5])), grad_scale(L::set(c[8])) {}
+};
+template <class L>
+struct Coefficients<L, kLion> {
+  typename L::F decay_factor, beta1, one_minus_beta1, beta2, one_minus_beta2, grad_scale;
+  // s * lr for the sign's three values s = 1 - 0, 0 - 1 and 0 - 0 (+1, -1, +0), each product made once here
+  // (one float32 rounding each, as in the lanes: the same bits), so that the lanes select one: two blends
+  // for two blends, a subtraction and a multiplication (about 6% off Lion's step over split8 and bfloat16)
+  typename L::F lr_up, lr_down, lr_zero;
+  Mixers<L> mix;
+  explicit Coefficients(const float* c)
+      : decay_factor(L::set(c[0])), beta1(L::set(c[2])), one_minus_beta1(L::set(c[3])), beta2(L::set(c[4])),
+        one_minus_beta2(L::set(c[5])), grad_scale(L::set(c[8])), lr_up(L::set(1.0f * c[1])),
+        lr_down(L::set(-1.0f * c[1])), lr_zero(L::set(0.0f * c[1])) {}
 };
 
 // The per-block values the lanes of one block share.
@@ -1031,13 +1077,19 @@ struct Block {
   typename L::I m_max, m_min, v_max, v_min;  // ... and their new values' running extremes (Extremes)
 };
 
+// A moment slot the rule does not keep (SGD's and Lion's exp_avg_sq, SGD's exp_avg without momentum):
+// nothing loaded, nothing stored, no scale.
+struct NoMoment {};
 template <typename T> constexpr bool is_u8 = std::is_same<T, uint8_t>::value;
 template <typename T> constexpr bool is_bf16 = std::is_same<T, at::BFloat16>::value;
+template <typename T> constexpr bool is_none = std::is_same<T, NoMoment>::value;
 
-// A moment's lanes at state index e (block lane j): float32, bfloat16, or a uint8 moment's decoded value.
+// A moment's lanes at state index e (block lane j): float32, bfloat16, or a uint8 moment's decoded value
+// (NoMoment: 0, never used).
 template <class L, typename MT>
 HA_INLINE typename L::F load_moment(const void* state, int64_t e, const float* buf) {
-  if constexpr (is_u8<MT>) return L::load(buf);
+  if constexpr (is_none<MT>) return L::set(0.0f);
+  else if constexpr (is_u8<MT>) return L::load(buf);
   else return L::load(static_cast<const MT*>(state) + e);
 }
 // ... and the new value stored: float32; bfloat16 by stochastic rounding (add 16 random bits below
@@ -1045,7 +1097,9 @@ HA_INLINE typename L::F load_moment(const void* state, int64_t e, const float* b
 template <class L, typename MT, bool EXP_AVG>
 HA_INLINE void store_moment(void* state, int64_t e, typename L::F x, typename L::I h, float* buf, typename L::I& mx,
                             typename L::I& mn) {
-  if constexpr (is_u8<MT>) {
+  if constexpr (is_none<MT>) {
+    return;
+  } else if constexpr (is_u8<MT>) {
     L::store(buf, x);
     const typename L::I b = EXP_AVG ? L::sll(L::bits(x), 1) : L::bits(x);
     mx = L::umax(mx, b);
@@ -1078,11 +1132,26 @@ HA_INLINE typename L::I master_bits(typename L::I h, const Mixers<L>& k) {
   return L::srl(L::imul(L::ixor(h, L::srl(h, 16)), k.m1), 24);
 }
 
-// Elements i .. i + W - 1 of one parameter (all in block `blk`). P: the parameter's dtype, G: the
-// gradient's, MS: how the master is kept (kNone: the parameter, float32, is the weight), MA / MV:
-// exp_avg's and exp_avg_sq's dtypes (float, at::BFloat16 or uint8_t).
-template <class L, typename P, typename G, Master MS, typename MA, typename MV>
-HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Block<L>& blk, int64_t i) {
+// The new moments of elements i .. i + W - 1 (block lane j, state index e) stored: one hash per element
+// where a bfloat16 moment rounds with it (kept in h_buf for a split8 master's bits, store_split8).
+template <class L, Master MS, typename MA, typename MV>
+HA_INLINE void store_moments(const Step& s, const Item& it, const Mixers<L>& mix, Block<L>& blk, int64_t i, int64_t e,
+                             int32_t j, typename L::F m, typename L::F v) {
+  typename L::I h{};
+  if constexpr (is_bf16<MA> || is_bf16<MV>) {
+    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term, mix);
+    if constexpr (MS == Master::kSplit8) L::storei(blk.h_buf + j, h);  // for store_split8
+  }
+  store_moment<L, MA, true>(s.exp_avg, e, m, h, blk.m_buf + j, blk.m_max, blk.m_min);
+  store_moment<L, MV, false>(s.exp_avg_sq, e, v, h, blk.v_buf + j, blk.v_max, blk.v_min);
+}
+
+// Elements i .. i + W - 1 of one parameter (all in block `blk`). RULE: the update rule (kAdam, kSgd,
+// kLion), P: the parameter's dtype, G: the gradient's, MS: how the master is kept (kNone: the parameter,
+// float32, is the weight), MA / MV: exp_avg's and exp_avg_sq's dtypes (float, at::BFloat16 or uint8_t;
+// NoMoment: a slot the rule does not keep).
+template <class L, int RULE, typename P, typename G, Master MS, typename MA, typename MV>
+HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L, RULE>& c, Block<L>& blk, int64_t i) {
   using F = typename L::F;
   using I = typename L::I;
   P* param = static_cast<P*>(it.param);
@@ -1125,20 +1194,35 @@ HA_INLINE void lanes(const Step& s, const Item& it, const Coefficients<L>& c, Bl
   }
   F m = load_moment<L, MA>(s.exp_avg, e, blk.m_buf + j);
   F v = load_moment<L, MV>(s.exp_avg_sq, e, blk.v_buf + j);
-  // halfadam.functional.adam_elementwise_
-  if (s.l2) g = g + c.l2 * w; else w = w * c.decay_factor;
-  m = m + (g - m) * c.one_minus_beta1;
-  v = v * c.beta2 + (g * c.one_minus_beta2) * g;
-  I h{};  // the moments stored before the sqrt and divisions (in program order: not behind them)
-  if constexpr (is_bf16<MA> || is_bf16<MV>) {
-    h = hash_at<L>(static_cast<uint32_t>(it.position + i), s.seed_term, c.mix);
-    if constexpr (MS == Master::kSplit8) L::storei(blk.h_buf + j, h);  // for store_split8
+  if constexpr (RULE == kAdam) {  // halfadam.functional.adam_elementwise_
+    if (s.l2) g = g + c.l2 * w; else w = w * c.decay_factor;
+    m = m + (g - m) * c.one_minus_beta1;
+    v = v * c.beta2 + (g * c.one_minus_beta2) * g;
+    // the moments stored before the sqrt and divisions (in program order: not behind them)
+    store_moments<L, MS, MA, MV>(s, it, c.mix, blk, i, e, j, m, v);
+    const F root = L::fsqrt(v);
+    const F d = s.optimized ? root + c.eps : root / c.sqrt_bias_correction2 + c.eps;
+    w = w - (m / d) * c.step_size;
+  } else if constexpr (RULE == kSgd) {  // m: the momentum buffer (NoMoment: none)
+    static_assert(is_none<MV>, "SGD keeps no exp_avg_sq");
+    g = g * c.sign;
+    if (s.l2) g = g + c.l2 * w;
+    F d = g;
+    if constexpr (!is_none<MA>) {
+      m = m * c.momentum_a + g * c.momentum_b;
+      store_moments<L, MS, MA, MV>(s, it, c.mix, blk, i, e, j, m, v);
+      d = s.nesterov ? g + m * c.nesterov_momentum : m;
+    }
+    w = w - d * c.lr;
+  } else {
+    static_assert(RULE == kLion && !is_none<MA> && is_none<MV>, "Lion keeps exp_avg alone");
+    w = w * c.decay_factor;
+    const F u = m * c.beta1 + g * c.one_minus_beta1;
+    const F zero = L::set(0.0f);  // s = (u > 0 ? 1 : 0) - (u < 0 ? 1 : 0); s * lr: one of three (Coefficients)
+    w = w - L::fif(L::fgt(zero, u), c.lr_down, L::fif(L::fgt(u, zero), c.lr_up, c.lr_zero));
+    m = m * c.beta2 + g * c.one_minus_beta2;
+    store_moments<L, MS, MA, MV>(s, it, c.mix, blk, i, e, j, m, v);
   }
-  store_moment<L, MA, true>(s.exp_avg, e, m, h, blk.m_buf + j, blk.m_max, blk.m_min);
-  store_moment<L, MV, false>(s.exp_avg_sq, e, v, h, blk.v_buf + j, blk.v_max, blk.v_min);
-  const F root = L::fsqrt(v);
-  const F d = s.optimized ? root + c.eps : root / c.sqrt_bias_correction2 + c.eps;
-  w = w - (m / d) * c.step_size;
   if constexpr (MS == Master::kFp32) L::store(s.master + e, w);
   if constexpr (MS == Master::kSplit || MS == Master::kSplit8) {  // to the block's buffer: store_split(8) stores them
     L::store(blk.w_buf + j, w);
@@ -1227,13 +1311,13 @@ HA_INLINE void store_split8(const Step& s, const Item& it, Block<L>& blk, int64_
 // column c = j % per_row of row r = j / per_row (per_row = ceil(row_length / BLOCK)): elements
 // r * row_length + c * BLOCK up to BLOCK of them, the row's end first. Where BLOCK divides row_length,
 // or the row is the whole parameter, that is j * BLOCK: one division per call, none per block or element.
-template <class L, typename P, typename G, Master MS, typename MA, typename MV>
+template <class L, int RULE, typename P, typename G, Master MS, typename MA, typename MV>
 void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
   constexpr bool kM8 = is_u8<MA>, kV8 = is_u8<MV>;
   const Step s = step;  // local copies: the stores through byte pointers cannot change them
   const Item it = item;
-  const Coefficients<L> cl(s.c);
-  const Coefficients<Lanes1> c1(s.c);
+  const Coefficients<L, RULE> cl(s.c);
+  const Coefficients<Lanes1, RULE> c1(s.c);
   // split8: one hash per element for the master and the moments, in h_buf where a moment needs it too
   constexpr bool kHashed = MS == Master::kSplit8 && (is_bf16<MA> || is_bf16<MV>);  // by the lanes
   constexpr bool kKeepHash = MS == Master::kSplit8 && (kM8 || kV8);                // for encode_block
@@ -1267,7 +1351,7 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
     bl.m_max = bl.v_max = L::seti(0);
     bl.m_min = bl.v_min = L::seti(-1);
     int64_t i = start;
-    for (; i + L::W <= end; i += L::W) lanes<L, P, G, MS, MA, MV>(s, it, cl, bl, i);
+    for (; i + L::W <= end; i += L::W) lanes<L, RULE, P, G, MS, MA, MV>(s, it, cl, bl, i);
     Extremes me{L::hmax_u(bl.m_max), L::hmin_u(bl.m_min)}, ve{L::hmax_u(bl.v_max), L::hmin_u(bl.v_min)};
     const int64_t body = i;  // the tail after it, one at a time
     Block<Lanes1> b1;
@@ -1280,7 +1364,7 @@ void run(const Step& step, const Item& item, int64_t j0, int64_t j1) {
     if (i < end) {  // the tail
       b1.m_max = static_cast<int32_t>(me.max), b1.m_min = static_cast<int32_t>(me.min);
       b1.v_max = static_cast<int32_t>(ve.max), b1.v_min = static_cast<int32_t>(ve.min);
-      for (; i < end; ++i) lanes<Lanes1, P, G, MS, MA, MV>(s, it, c1, b1, i);
+      for (; i < end; ++i) lanes<Lanes1, RULE, P, G, MS, MA, MV>(s, it, c1, b1, i);
       me = {static_cast<uint32_t>(b1.m_max), static_cast<uint32_t>(b1.m_min)};
       ve = {static_cast<uint32_t>(b1.v_max), static_cast<uint32_t>(b1.v_min)};
     }
@@ -1315,48 +1399,65 @@ constexpr int kMaxLanes = 1;
 #endif
 std::atomic<int> g_lanes{kMaxLanes};
 
-template <typename P, typename G, Master MS, typename MA, typename MV>
+template <int RULE, typename P, typename G, Master MS, typename MA, typename MV>
 RunFn pick_lanes() {
   switch (g_lanes.load()) {
 #ifdef HALFADAM_AVX512
-    case 16: return &run<Lanes16, P, G, MS, MA, MV>;
+    case 16: return &run<Lanes16, RULE, P, G, MS, MA, MV>;
 #endif
 #ifdef HALFADAM_AVX2
-    case 8: return &run<Lanes8, P, G, MS, MA, MV>;
+    case 8: return &run<Lanes8, RULE, P, G, MS, MA, MV>;
 #endif
-    default: return &run<Lanes1, P, G, MS, MA, MV>;
+    default: return &run<Lanes1, RULE, P, G, MS, MA, MV>;
   }
 }
 
 // Gradients are float32 or the parameter's dtype (adam_step converts others first).
-template <typename P, Master MS, typename MA, typename MV>
+template <int RULE, typename P, Master MS, typename MA, typename MV>
 RunFn pick_grad(bool float_grad) {
-  return float_grad ? pick_lanes<P, float, MS, MA, MV>() : pick_lanes<P, P, MS, MA, MV>();
+  return float_grad ? pick_lanes<RULE, P, float, MS, MA, MV>() : pick_lanes<RULE, P, P, MS, MA, MV>();
 }
 
 // Callers check supported() first: any other dtype never reaches these switches.
-template <typename MA, typename MV>
+template <int RULE, typename MA, typename MV>
 RunFn pick_param(at::ScalarType param, bool float_grad, Master ms) {
   if (param == at::kFloat)  // float32 parameters: no master, or an fp32 one (master_weights=True)
-    return ms == Master::kNone ? pick_lanes<float, float, Master::kNone, MA, MV>()
-                               : pick_lanes<float, float, Master::kFp32, MA, MV>();
+    return ms == Master::kNone ? pick_lanes<RULE, float, float, Master::kNone, MA, MV>()
+                               : pick_lanes<RULE, float, float, Master::kFp32, MA, MV>();
   if (param == at::kHalf)
-    return ms == Master::kSplit ? pick_grad<at::Half, Master::kSplit, MA, MV>(float_grad)
-                                : pick_grad<at::Half, Master::kFp32, MA, MV>(float_grad);
+    return ms == Master::kSplit ? pick_grad<RULE, at::Half, Master::kSplit, MA, MV>(float_grad)
+                                : pick_grad<RULE, at::Half, Master::kFp32, MA, MV>(float_grad);
   if (ms == Master::kSplit8)  // bfloat16 parameters only (adam_step checks)
-    return pick_grad<at::BFloat16, Master::kSplit8, MA, MV>(float_grad);
-  return ms == Master::kSplit ? pick_grad<at::BFloat16, Master::kSplit, MA, MV>(float_grad)
-                              : pick_grad<at::BFloat16, Master::kFp32, MA, MV>(float_grad);
+    return pick_grad<RULE, at::BFloat16, Master::kSplit8, MA, MV>(float_grad);
+  return ms == Master::kSplit ? pick_grad<RULE, at::BFloat16, Master::kSplit, MA, MV>(float_grad)
+                              : pick_grad<RULE, at::BFloat16, Master::kFp32, MA, MV>(float_grad);
+}
+
+// The exp_avg slot's dtype picks MA (NONE: at::ScalarType::Undefined, the slot absent, picks NoMoment:
+// SGD without momentum).
+template <int RULE, typename MV, bool NONE>
+RunFn pick_m(at::ScalarType exp_avg, at::ScalarType param, bool float_grad, Master ms) {
+  if (exp_avg == at::kByte) return pick_param<RULE, uint8_t, MV>(param, float_grad, ms);
+  if (exp_avg == at::kBFloat16) return pick_param<RULE, at::BFloat16, MV>(param, float_grad, ms);
+  if constexpr (NONE)
+    if (exp_avg == at::ScalarType::Undefined) return pick_param<RULE, NoMoment, MV>(param, float_grad, ms);
+  return pick_param<RULE, float, MV>(param, float_grad, ms);
 }
 
 template <typename MA>
 RunFn pick_v(at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms) {
-  if (exp_avg_sq == at::kByte) return pick_param<MA, uint8_t>(param, float_grad, ms);
-  if (exp_avg_sq == at::kBFloat16) return pick_param<MA, at::BFloat16>(param, float_grad, ms);
-  return pick_param<MA, float>(param, float_grad, ms);
+  if (exp_avg_sq == at::kByte) return pick_param<kAdam, MA, uint8_t>(param, float_grad, ms);
+  if (exp_avg_sq == at::kBFloat16) return pick_param<kAdam, MA, at::BFloat16>(param, float_grad, ms);
+  return pick_param<kAdam, MA, float>(param, float_grad, ms);
 }
 
-RunFn pick(at::ScalarType exp_avg, at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad, Master ms) {
+// Adam: both moments, 3 x 3 dtypes; SGD: exp_avg of 3 dtypes or none, Lion: exp_avg of 3 dtypes, and
+// neither an exp_avg_sq (adam_step checks the slots against the rule): 7 more runs per (parameter,
+// gradient, master, lanes) beside Adam's 9, not 2 x 16.
+RunFn pick(int64_t rule, at::ScalarType exp_avg, at::ScalarType exp_avg_sq, at::ScalarType param, bool float_grad,
+           Master ms) {
+  if (rule == kSgd) return pick_m<kSgd, NoMoment, true>(exp_avg, param, float_grad, ms);
+  if (rule == kLion) return pick_m<kLion, NoMoment, false>(exp_avg, param, float_grad, ms);
   if (exp_avg == at::kByte) return pick_v<uint8_t>(exp_avg_sq, param, float_grad, ms);
   if (exp_avg == at::kBFloat16) return pick_v<at::BFloat16>(exp_avg_sq, param, float_grad, ms);
   return pick_v<float>(exp_avg_sq, param, float_grad, ms);
@@ -1370,15 +1471,20 @@ uint32_t seed_term(int64_t step) {
 
 }  // namespace
 
-// One step for params[k] (gradient grads[k]; state in the flat buffers of `state`, keyed as
-// halfadam.encodings names them: per element at offsets[k], per block at block_offsets[k]; in rows of
-// row_lengths[k] elements, halfadam.buckets.Bucket.row_lengths), k = 0..K-1. `step` seeds the stochastic
-// rounding; `positions`: each parameter's first element's index in its whole parameter (empty: 0).
+// One step of update rule `rule` (0 Adam, 1 SGD, 2 Lion: halfadam.functional.Rule.kernel) for params[k]
+// (gradient grads[k]; state in the flat buffers of `state`, keyed as halfadam.encodings names them, a
+// rule's moments under the kernel's slots: its signed one as exp_avg, its square one as exp_avg_sq; per
+// element at offsets[k], per block at block_offsets[k]; in rows of row_lengths[k] elements,
+// halfadam.buckets.Bucket.row_lengths), k = 0..K-1. `coefficients`: the rule's (Adam 8, SGD and Lion 6);
+// `l2`, `optimized_update`: its flags (Adam: decay "l2", optimized_update; SGD: weight decay on, nesterov;
+// Lion: ignored). Adam needs both slots; Lion exp_avg alone, SGD exp_avg (momentum) or no moment. `step`
+// seeds the stochastic rounding; `positions`: each parameter's first element's index in its whole
+// parameter (empty: 0). Every argument is checked before anything is written.
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::map<std::string, at::Tensor>& state, const std::vector<int64_t>& offsets,
                const std::vector<int64_t>& block_offsets, const std::vector<int64_t>& row_lengths,
                const std::vector<double>& coefficients, const c10::optional<at::Tensor>& grad_scale, bool l2,
-               bool optimized_update, int64_t step, const std::vector<int64_t>& positions) {
+               bool optimized_update, int64_t step, const std::vector<int64_t>& positions, int64_t rule) {
   const int64_t K = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == K && static_cast<int64_t>(offsets.size()) == K &&
                   (positions.empty() || static_cast<int64_t>(positions.size()) == K),
@@ -1386,7 +1492,12 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   TORCH_CHECK(static_cast<int64_t>(block_offsets.size()) == K && static_cast<int64_t>(row_lengths.size()) == K,
               "adam_step: block_offsets (", block_offsets.size(), ") and row_lengths (", row_lengths.size(),
               ") must have one entry per parameter (", K, ")");
-  TORCH_CHECK(coefficients.size() == 8, "adam_step: expected 8 coefficients");
+  TORCH_CHECK(rule == kAdam || rule == kSgd || rule == kLion, "adam_step: rule ", rule,
+              " is none of 0 (Adam), 1 (SGD) and 2 (Lion)");
+  const char* rule_name = rule == kAdam ? "Adam" : rule == kSgd ? "SGD" : "Lion";
+  const size_t n_coefficients = rule == kAdam ? 8 : 6;
+  TORCH_CHECK(coefficients.size() == n_coefficients, "adam_step: rule ", rule, " (", rule_name, ") expected ",
+              n_coefficients, " coefficients, got ", coefficients.size());
   auto get = [&](const char* key, at::ScalarType dtype) -> at::Tensor {  // undefined if absent
     auto found = state.find(key);
     if (found == state.end()) return at::Tensor();
@@ -1395,18 +1506,27 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                 "adam_step: state['", key, "'] must be a contiguous 1-D ", dtype, " CPU tensor");
     return t;
   };
-  auto moment_dtype = [&](const char* key) {
+  // a moment slot's dtype: kept (float32, bfloat16 or uint8), or at::ScalarType::Undefined where the
+  // rule lets it be absent (`may_lack`) and it is; `kept`: whether the rule keeps it at all
+  auto moment_dtype = [&](const char* key, bool kept, bool may_lack) {
     const auto found = state.find(key);
+    TORCH_CHECK(kept || found == state.end(), "adam_step: rule ", rule, " (", rule_name, ") keeps no '", key,
+                "': state['", key, "'] must be absent");
+    if (found == state.end() && may_lack) return at::ScalarType::Undefined;
     TORCH_CHECK(found != state.end() && (found->second.scalar_type() == at::kFloat ||
                                          found->second.scalar_type() == at::kBFloat16 ||
                                          found->second.scalar_type() == at::kByte),
                 "adam_step: state['", key, "'] must be float32, bfloat16 or uint8");
     return found->second.scalar_type();
   };
-  const at::ScalarType adtype = moment_dtype("exp_avg"), vdtype = moment_dtype("exp_avg_sq");
+  const at::ScalarType adtype = moment_dtype("exp_avg", true, rule == kSgd);
+  const at::ScalarType vdtype = moment_dtype("exp_avg_sq", rule == kAdam, rule != kAdam);
   const at::Tensor exp_avg = get("exp_avg", adtype), exp_avg_sq = get("exp_avg_sq", vdtype);
-  const int64_t total_state = exp_avg.numel();
-  TORCH_CHECK(exp_avg_sq.numel() == total_state, "adam_step: exp_avg and exp_avg_sq differ in length");
+  // the per-element buffers' length: the moments', else the master's (-1: no per-element state at all,
+  // SGD without momentum over float32 parameters)
+  int64_t total_state = exp_avg.defined() ? exp_avg.numel() : exp_avg_sq.defined() ? exp_avg_sq.numel() : -1;
+  TORCH_CHECK(!exp_avg.defined() || !exp_avg_sq.defined() || exp_avg_sq.numel() == total_state,
+              "adam_step: exp_avg and exp_avg_sq differ in length");
   const bool m8 = adtype == at::kByte, v8 = vdtype == at::kByte;
   const at::Tensor m_scale = get("exp_avg_scale", at::kByte), v_scale = get("exp_avg_sq_exponent", at::kByte);
   TORCH_CHECK(m8 == m_scale.defined() && v8 == v_scale.defined(),
@@ -1419,6 +1539,10 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                     : lo.defined() || tie.defined() ? Master::kSplit
                     : hi.defined()                  ? Master::kSplit8
                                                     : Master::kNone;
+  if (total_state < 0) {  // no moment: the master's per-element buffer gives the length
+    const at::Tensor& first = master.defined() ? master : hi.defined() ? hi : lo;
+    if (first.defined()) total_state = first.numel();
+  }
   if (ms == Master::kFp32) TORCH_CHECK(master.numel() == total_state, "adam_step: master_weight's length");
   if (ms == Master::kSplit)
     TORCH_CHECK(hi.defined() && lo.defined() && tie.defined() && hi.numel() == total_state && lo.numel() == total_state,
@@ -1445,15 +1569,16 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   s.master_hi = ms == Master::kSplit || ms == Master::kSplit8 ? hi.data_ptr<int8_t>() : nullptr;
   s.master_lo = ms == Master::kSplit ? lo.data_ptr<uint8_t>() : nullptr;
   s.master_tie = ms == Master::kSplit ? tie.data_ptr<uint8_t>() : nullptr;
-  s.exp_avg = exp_avg.data_ptr();
-  s.exp_avg_sq = exp_avg_sq.data_ptr();
+  s.exp_avg = exp_avg.defined() ? exp_avg.data_ptr() : nullptr;
+  s.exp_avg_sq = exp_avg_sq.defined() ? exp_avg_sq.data_ptr() : nullptr;
   s.exp_avg_scale = m8 ? m_scale.data_ptr<uint8_t>() : nullptr;
   s.exp_avg_sq_scale = v8 ? v_scale.data_ptr<uint8_t>() : nullptr;
-  for (int j = 0; j < 8; ++j) s.c[j] = static_cast<float>(coefficients[j]);
+  for (size_t j = 0; j < n_coefficients; ++j) s.c[j] = static_cast<float>(coefficients[j]);
   s.scaled = grad_scale.has_value() && grad_scale->defined();
   s.c[8] = s.scaled ? grad_scale->item<float>() : 1.0f;
-  s.l2 = l2;
-  s.optimized = optimized_update;
+  s.l2 = rule != kLion && l2;
+  s.optimized = rule == kAdam && optimized_update;
+  s.nesterov = rule == kSgd && optimized_update;
   s.seed_term = seed_term(step);
 
   // Validate everything before writing anything; non-contiguous tensors go through contiguous copies.
@@ -1476,7 +1601,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     TORCH_CHECK(ms != Master::kSplit || p.scalar_type() != at::kFloat, "adam_step: params[", k,
                 "]: a split master needs a float16/bfloat16 parameter");
     TORCH_CHECK(g.numel() == n, "adam_step: grads[", k, "] has ", g.numel(), " elements, its parameter ", n);
-    TORCH_CHECK(offsets[k] >= 0 && offsets[k] + n <= total_state && (!blocked || offsets[k] % BLOCK == 0),
+    TORCH_CHECK(offsets[k] >= 0 && (total_state < 0 || offsets[k] + n <= total_state) &&
+                    (!blocked || offsets[k] % BLOCK == 0),
                 "adam_step: offsets[", k, "] out of range or not block-aligned");
     // rows of row_length elements, each cut into blocks of BLOCK (its last one shorter)
     const int64_t length = row_lengths[k];
@@ -1500,7 +1626,7 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     }
     items[k] = Item{p.data_ptr(), g.data_ptr(), n, offsets[k], block_offsets[k], length,
                     positions.empty() ? 0 : positions[k]};
-    fns[k] = pick(adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms);
+    fns[k] = pick(rule, adtype, vdtype, p.scalar_type(), g.scalar_type() == at::kFloat, ms);
     starts[k + 1] = starts[k] + blocks;
   }
   {
@@ -1644,7 +1770,13 @@ uint8_codes() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adam_step", &adam_step, "halfadam: one Adam/AdamW step over a list of parameters with flat state buffers");
+  m.def("adam_step", &adam_step,
+        "halfadam: one step of an update rule (0 Adam/AdamW, 1 SGD, 2 Lion) over a list of parameters with flat "
+        "state buffers",
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("state"), pybind11::arg("offsets"),
+        pybind11::arg("block_offsets"), pybind11::arg("row_lengths"), pybind11::arg("coefficients"),
+        pybind11::arg("grad_scale"), pybind11::arg("l2"), pybind11::arg("optimized_update"), pybind11::arg("step"),
+        pybind11::arg("positions"), pybind11::arg("rule") = 0);
   m.def("first_invalid", &first_invalid, "halfadam: index of the first invalid (param, grad) pair, or -1");
   m.def("encode_uint8", &encode_uint8, "halfadam (tests): the kernel's uint8 moment encoder over whole blocks");
   m.def("decode_uint8", &decode_uint8, "halfadam (tests): the kernel's uint8 moment decoder over whole blocks");

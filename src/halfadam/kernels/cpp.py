@@ -1,8 +1,9 @@
 """The hand-written CPU kernel (``implementation="cpp"``): built on first use, cached, optional.
 
 ``adam_cpu.cpp`` (beside this module) holds ``adam_step(params, grads, state, offsets, block_offsets,
-row_lengths, coefficients, grad_scale, l2, optimized_update, step, positions)``: one Adam/AdamW step
-over a list of float16/bfloat16/float32 parameters whose state lives in flat buffers (``state``:
+row_lengths, coefficients, grad_scale, l2, optimized_update, step, positions, rule=0)``: one step of an
+update rule (0 Adam/AdamW; 1 SGD, whose two flags are weight decay on and nesterov; 2 Lion: the
+rules of :class:`halfadam.functional.Rule`, their moments in the ``exp_avg``/``exp_avg_sq`` slots) over a list of float16/bfloat16/float32 parameters whose state lives in flat buffers (``state``:
 :attr:`halfadam.buckets.Bucket.flat`, or one shard's own state tensors flattened; ``offsets``: each
 parameter's first element in the per-element buffers, ``block_offsets``: its first block in the
 per-block ones; ``row_lengths``: the elements of each of its rows of blocks, each row cut into blocks
@@ -38,8 +39,9 @@ virtual environment with the same key shares one build, and one with another key
   is rebuilt, with one line saying why. The bytes checked are the bytes loaded: on Linux from a copy
   in memory (``memfd_create``), so a library cut or replaced after its check cannot take the process
   down; elsewhere (or where executable memory files are forbidden) from the file. Reading, checksum,
-  ELF check and load take about 4 ms against 3 ms for the file loaded in place (2 MB; 2-core AMD
-  EPYC, loaded, 2026-12-07; the ELF check 5 us), and the copy holds the library's 2 MB per process;
+  ELF check and load take about 4 ms against 3 ms for the file loaded in place (2 MB then; 3.5 MB with
+  SGD's and Lion's rules; 2-core AMD EPYC, loaded, 2026-12-07; the ELF check 5 us), and the copy holds
+  the library's 3.5 MB per process;
 * ``halfadam_build_failed.txt``: the reason a build failed, so later processes do not retry it
   (delete it to retry);
 * ``halfadam.lock``: held (``flock``) by the process that builds; others wait for it, with one line.

@@ -1,6 +1,16 @@
-"""halfadam's hand-written Triton kernel: one Adam/AdamW step over a bucket in one launch (``"triton"``).
+"""halfadam's hand-written Triton kernel: one optimizer step over a bucket in one launch (``"triton"``).
 
-The equations are :mod:`halfadam.functional`'s and the encodings :mod:`halfadam.encodings`' (their
+The kernel steps one update rule per launch (the constexpr ``RULE``: :data:`RULE_ADAM`, :data:`RULE_SGD`,
+:data:`RULE_LION`; :attr:`halfadam.functional.Rule.kernel`). Everything but the rule's per-element math
+is shared: the gradient read and its scale, the master decode and sync (none, fp32, split, split8), the
+moment encodings, the random bits, the write-back of the master and the parameter. The rule's moments
+sit in two slots: a signed one in ``exp_avg`` (Adam's ``exp_avg``, SGD's ``momentum_buffer``, Lion's
+``exp_avg``), a square one in ``exp_avg_sq`` (Adam's); a slot the rule does not keep is absent
+(:data:`MOMENT_NONE`: nothing loaded, stored or drawn). The per-element math is in :func:`_adam_math`,
+:func:`_sgd_math` and :func:`_lion_math`.
+
+The equations are :mod:`halfadam.functional`'s (Adam's; SGD's and Lion's are the rule specification's,
+:mod:`halfadam.sgd` and :mod:`halfadam.lion`) and the encodings :mod:`halfadam.encodings`' (their
 specification), term for term and in the same order of operations, as in the C++ CPU kernel
 (``adam_cpu.cpp`` beside this module, whose comments state the per-element steps): every float32 operation is
 rounded once (the launch turns fused multiply-adds off, divisions and square roots are the IEEE
@@ -34,8 +44,8 @@ The others step ``BLOCK`` consecutive elements of the flat tensor per block.
 
 The work list depends only on the bucket's layout and which parameters step (cached); the tensor
 table only on the addresses (rebuilt when one changes: ``zero_grad(set_to_none=True)`` gives new
-gradients every step, and a rebuild is one host list and one copy). The step's scalars (the
-coefficients of :func:`halfadam.functional.adam_coefficients` and the step, for the random bits)
+gradients every step, and a rebuild is one host list and one copy). The step's scalars (the rule's
+coefficients, :func:`halfadam.functional.adam_coefficients`' for Adam, and the step, for the random bits)
 reach the kernel as one small device tensor, the loss scale and ``found_inf`` as device tensors:
 a launch waits for nothing on the host, and a set ``found_inf`` makes the kernel write nothing
 (as torch's fused AdamW). A table whose addresses are all 16-byte aligned and whose counts, offsets
@@ -62,7 +72,7 @@ from torch import Tensor
 from .. import encodings as _encodings
 from ..encodings import BLOCK, _INF_CODE, _MAGNITUDE_MASK, _NAN_CODE, _SALT, _SPAN, _V_ROUNDING, _V_ROUNDING_MIN_SHIFT
 
-__all__ = ["available", "unavailable_reason", "launch", "CHUNK", "interpreted"]
+__all__ = ["available", "unavailable_reason", "launch", "CHUNK", "interpreted", "RULE_ADAM", "RULE_SGD", "RULE_LION"]
 
 #: The launch shape: a program steps CHUNK elements, a tile of BLOCKS_PER_TILE blocks of BLOCK after the
 #: other (TILES_PER_PROGRAM of them, fewer at a tensor's end), with NUM_WARPS warps: 8 elements per
@@ -115,8 +125,14 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 # state encodings, as constexpr codes
 MASTER_NONE, MASTER_FP32, MASTER_SPLIT, MASTER_SPLIT8 = 0, 1, 2, 3
-MOMENT_FP32, MOMENT_BF16, MOMENT_UINT8 = 0, 1, 2
-_MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.uint8: MOMENT_UINT8}
+#: MOMENT_NONE: the slot is absent (a rule without that moment): nothing loaded, stored or drawn for it
+MOMENT_FP32, MOMENT_BF16, MOMENT_UINT8, MOMENT_NONE = 0, 1, 2, 3
+_MOMENT_KIND = {torch.float32: MOMENT_FP32, torch.bfloat16: MOMENT_BF16, torch.uint8: MOMENT_UINT8, None: MOMENT_NONE}
+#: The update rules (the kernel's constexpr RULE; :attr:`halfadam.functional.Rule.kernel`), and the
+#: coefficients each reads from the step's scalars (:func:`scalars`; the rows are as wide as Adam's)
+RULE_ADAM, RULE_SGD, RULE_LION = 0, 1, 2
+RULE_COEFFICIENTS = {RULE_ADAM: 8, RULE_SGD: 6, RULE_LION: 6}
+_SCALARS_WIDTH = 10  # 8 coefficients (fewer padded with zeros), 0, the step (the random bits' seed)
 
 #: Columns of the tensor table: addresses of the parameter and its gradient, element count, elements the
 #: kernel steps (a blocked format's blocks times BLOCK: each row padded to whole blocks), offset in the
@@ -363,22 +379,25 @@ if triton is not None:
 
     @triton.jit
     def _load_moment(ptr, scale_ptr, mask, bmask, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr, CVT: tl.constexpr):
+        """The moment's float32 values ([blocks, BLOCK]); an absent one (KIND 3) reads nothing (zeros, unused)."""
         if KIND == 2:
             return _decode_uint8(ptr, scale_ptr, mask, bmask, IS_EXP_AVG)
+        elif KIND == 3:
+            return tl.zeros(mask.shape, tl.float32)
         else:
             return _to_f32(tl.load(ptr, mask=mask, other=0.0), CVT)
 
     @triton.jit
     def _store_moment(x, ptr, scale_ptr, mask, bmask, r16, KIND: tl.constexpr, IS_EXP_AVG: tl.constexpr):
         """encodings._encode_moment_ (x: [blocks, BLOCK] float32, 0 where ``mask`` is off (a block's short
-        end: no value of its scale); r16: the moment's 16 random bits)."""
+        end: no value of its scale); r16: the moment's 16 random bits). An absent moment (KIND 3) stores nothing."""
         if KIND == 0:
             tl.store(ptr, x, mask=mask)
         elif KIND == 1:  # stochastic rounding: add 16 random bits below bfloat16's, truncate
             # a nan: bfloat16's (its bits plus r16 could carry into the sign); the upper halves are stored
             t = tl.where(x != x, 0x7FC00000, x.to(tl.uint32, bitcast=True)) + r16.to(tl.uint32)
             tl.store(ptr.to(tl.pointer_type(tl.uint16)), (t >> 16).to(tl.uint16), mask=mask)
-        else:
+        elif KIND == 2:
             code, base = _encode_uint8(x, r16, IS_EXP_AVG)
             tl.store(ptr, code.to(tl.uint8), mask=mask)
             tl.store(scale_ptr, base.to(tl.uint8), mask=bmask)
@@ -393,20 +412,69 @@ if triton is not None:
             return address.to(tl.pointer_type(tl.uint8))
 
     @triton.jit
+    def _adam_math(w, g, m, v, decay_factor, l2, step_size, sqrt_bias_correction2, reciprocal, special,
+                   one_minus_beta1, beta2, one_minus_beta2, eps, L2: tl.constexpr, OPTIMIZED: tl.constexpr):
+        """functional.adam_elementwise_, each operation rounded once: (w, m, v)."""
+        if L2:
+            g = g + l2 * w
+        else:
+            w = w * decay_factor
+        m = m + (g - m) * one_minus_beta1
+        v = v * beta2 + (g * one_minus_beta2) * g
+        root = tl.sqrt_rn(v)
+        if OPTIMIZED:
+            d = root + eps
+        else:
+            d = _div_by_coefficient(root, sqrt_bias_correction2, reciprocal, special) + eps
+        w = w - tl.div_rn(m, d) * step_size
+        return w, m, v
+
+    @triton.jit
+    def _sgd_math(w, g, buf, l2, momentum_a, momentum_b, nesterov_momentum, lr, sign, L2: tl.constexpr,
+                  MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr):
+        """The engine's SGD rule (halfadam.sgd), each operation rounded once: (w, buf). MOMENTUM: the
+        momentum buffer exists (else ``buf`` is unused and returned as it came)."""
+        g = g * sign  # +1 or -1 (maximize)
+        if L2:  # weight_decay != 0
+            g = g + l2 * w
+        if MOMENTUM:
+            buf = buf * momentum_a + g * momentum_b
+            if NESTEROV:
+                d = g + buf * nesterov_momentum
+            else:
+                d = buf
+        else:
+            d = g
+        w = w - d * lr
+        return w, buf
+
+    @triton.jit
+    def _lion_math(w, g, m, decay_factor, lr, beta1, one_minus_beta1, beta2, one_minus_beta2):
+        """The engine's Lion rule (halfadam.lion), each operation rounded once: (w, m). The update's sign
+        is +1, -1, or +0.0 for +-0 and nan (as torch.sign on the CPU)."""
+        w = w * decay_factor
+        c = m * beta1 + g * one_minus_beta1
+        s = (c > 0.0).to(tl.float32) - (c < 0.0).to(tl.float32)
+        w = w - s * lr
+        m = m * beta2 + g * one_minus_beta2
+        return w, m
+
+    @triton.jit
     def _tile(param, grad, e, eb, first, pmask, emask, bmask, lanes, idx, position0, scalars_row,
-              decay_factor, l2, step_size, sqrt_bias_correction2, reciprocal, special, one_minus_beta1, beta2,
-              one_minus_beta2, eps,
+              k0, k1, k2, k3, reciprocal, special, k4, k5, k6, k7,
               grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
               P_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
-              L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr, OCTETS: tl.constexpr,
-              CVT: tl.constexpr, BLOCK_: tl.constexpr):
+              RULE: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, NESTEROV: tl.constexpr,
+              HAS_SCALE: tl.constexpr, OCTETS: tl.constexpr, CVT: tl.constexpr, BLOCK_: tl.constexpr):
         """One tile of the step: its elements ``idx`` ([blocks, BLOCK]) from ``param``/``grad`` (the tile's
         first ones; those of ``pmask``) and from element ``e`` (block ``eb``) of the flat state buffers
         (those of ``emask``, blocks of ``bmask``); ``first``: its first element's index in the tensor.
         Elements off the masks (a block's short end) are loaded as zeros, the specification's padding
         (``encodings._pad``): they step to zeros, change no block's scale or first tie, and are not stored
         (where ``emask`` takes a bucket's whole blocks, the zeros of its padding are stored back). OCTETS:
-        the first element's position ``position0 + first`` is a multiple of 8."""
+        the first element's position ``position0 + first`` is a multiple of 8. ``k0``..``k7``: the
+        rule's coefficients in the order of :func:`scalars` (Adam's 8; SGD's and Lion's 6, then unused);
+        ``reciprocal``, ``special``: Adam's divisor's (:func:`_div_by_coefficient`; unused by the others)."""
         blocks = tl.arange(0, idx.shape[0])
         g = _to_f32(tl.load(grad + idx, mask=pmask, other=0.0), CVT)
         if HAS_SCALE:
@@ -452,22 +520,17 @@ if triton is not None:
         m = _load_moment(m_ptr + e + idx, m_scale_ptr + eb + blocks, emask, bmask, M_KIND, True, CVT)
         v = _load_moment(v_ptr + e + idx, v_scale_ptr + eb + blocks, emask, bmask, V_KIND, False, CVT)
 
-        # functional.adam_elementwise_, each operation rounded once
-        if L2:
-            g = g + l2 * w
+        # the rule's per-element math (the only rule-specific lines of the step)
+        if RULE == 0:
+            w, m, v = _adam_math(w, g, m, v, k0, k1, k2, k3, reciprocal, special, k4, k5, k6, k7, L2, OPTIMIZED)
+        elif RULE == 1:
+            w, m = _sgd_math(w, g, m, k0, k1, k2, k3, k4, k5, L2, M_KIND != 3, NESTEROV)
         else:
-            w = w * decay_factor
-        m = m + (g - m) * one_minus_beta1
-        v = v * beta2 + (g * one_minus_beta2) * g
-        root = tl.sqrt_rn(v)
-        if OPTIMIZED:
-            d = root + eps
-        else:
-            d = _div_by_coefficient(root, sqrt_bias_correction2, reciprocal, special) + eps
-        w = w - tl.div_rn(m, d) * step_size
+            w, m = _lion_math(w, g, m, k0, k1, k2, k3, k4, k5)
 
-        if M_KIND != 0 or V_KIND != 0 or MASTER == 3:  # one hash per element: exp_avg the upper 16 bits,
-            # exp_avg_sq the lower, a split8 master the upper byte of one more round (encodings._master_bits)
+        if (M_KIND == 1) or (M_KIND == 2) or (V_KIND == 1) or (V_KIND == 2) or (MASTER == 3):
+            # one hash per element: the exp_avg slot the upper 16 bits, the exp_avg_sq slot the lower, a
+            # split8 master the upper byte of one more round (encodings._master_bits)
             seed_term = tl.load(scalars_row + 9).to(tl.uint32, bitcast=True) * 0x27D4EB2F + _SALT_C
             if OCTETS:  # the tile's first position a multiple of 8: element idx's is that of its group of 8,
                 # idx & ~7, or'ed with idx & 7, so position ^ seed_term is the group's g ^ (idx & 7), whose
@@ -531,17 +594,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _adam_kernel(work_ptr, table_ptr, scalars_ptr, grad_scale_ptr, found_inf_ptr,
+    def _step_kernel(work_ptr, table_ptr, scalars_ptr, grad_scale_ptr, found_inf_ptr,
                      master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MASTER: tl.constexpr, M_KIND: tl.constexpr,
-                     V_KIND: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     V_KIND: tl.constexpr, RULE: tl.constexpr, L2: tl.constexpr, OPTIMIZED: tl.constexpr,
+                     NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_FOUND_INF: tl.constexpr, SCALARS_STRIDE: tl.constexpr, STATE_IN_TABLE: tl.constexpr,
                      ALIGNED: tl.constexpr, ROWS: tl.constexpr, CVT: tl.constexpr, NB: tl.constexpr,
                      BLOCK_: tl.constexpr, CHUNK_: tl.constexpr):
+        """One step of update rule RULE (0 Adam, 1 SGD, 2 Lion) over the programs of the work list (see
+        the module docstring); M_KIND / V_KIND 3: that moment slot absent."""
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0.0:
                 return
-        BLOCKED: tl.constexpr = (MASTER == 2) or (MASTER == 3) or (M_KIND != 0) or (V_KIND != 0)
+        # (a bfloat16 moment rounds stochastically: its random bits need each element's position)
+        BLOCKED: tl.constexpr = ((MASTER == 2) or (MASTER == 3) or (M_KIND == 1) or (M_KIND == 2) or (V_KIND == 1)
+                                 or (V_KIND == 2))
         TILE_: tl.constexpr = NB * BLOCK_
         pid = tl.program_id(0)
         t = tl.load(work_ptr + 2 * pid)
@@ -578,16 +646,25 @@ if triton is not None:
                 v_ptr = tl.multiple_of(v_ptr, 16)
         scalars_row = scalars_ptr + SCALARS_STRIDE * t  # one row for all, or one per tensor (capturable)
         c = scalars_row.to(tl.pointer_type(tl.float32))
-        decay_factor = tl.load(c)
-        l2 = tl.load(c + 1)
-        step_size = tl.load(c + 2)
-        sqrt_bias_correction2 = tl.load(c + 3)
-        one_minus_beta1 = tl.load(c + 4)
-        beta2 = tl.load(c + 5)
-        one_minus_beta2 = tl.load(c + 6)
-        eps = tl.load(c + 7)
-        reciprocal = tl.div_rn(1.0, sqrt_bias_correction2)  # (once: the divisor of every element)
-        special = _coefficient_special(reciprocal)
+        # the rule's coefficients (Adam: decay_factor, l2, step_size, sqrt_bias_correction2, one_minus_beta1,
+        # beta2, one_minus_beta2, eps; SGD: l2, momentum_a, momentum_b, nesterov_momentum, lr, sign; Lion:
+        # decay_factor, lr, beta1, one_minus_beta1, beta2, one_minus_beta2)
+        k0 = tl.load(c)
+        k1 = tl.load(c + 1)
+        k2 = tl.load(c + 2)
+        k3 = tl.load(c + 3)
+        k4 = tl.load(c + 4)
+        k5 = tl.load(c + 5)
+        if RULE == 0:
+            k6 = tl.load(c + 6)
+            k7 = tl.load(c + 7)
+            reciprocal = tl.div_rn(1.0, k3)  # (once: the divisor sqrt_bias_correction2 of every element)
+            special = _coefficient_special(reciprocal)
+        else:  # (unused)
+            k6 = k0
+            k7 = k0
+            reciprocal = k0
+            special = k0
 
         blocks = tl.arange(0, NB)
         lanes = tl.arange(0, BLOCK_)
@@ -614,10 +691,10 @@ if triton is not None:
                 bmask = j < n_blocks
                 mask = bmask[:, None] & (lanes[None, :] < width[:, None])
                 _tile(param + first, grad + first, offset + first, block0 + tile * NB, first, mask, mask, bmask,
-                      lanes, at[:, None] + lanes[None, :], position0, scalars_row, decay_factor, l2, step_size,
-                      sqrt_bias_correction2, reciprocal, special, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      lanes, at[:, None] + lanes[None, :], position0, scalars_row, k0, k1, k2, k3, reciprocal,
+                      special, k4, k5, k6, k7,
                       grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
-                      P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, False, CVT, BLOCK_)
+                      P_DTYPE, MASTER, M_KIND, V_KIND, RULE, L2, OPTIMIZED, NESTEROV, HAS_SCALE, False, CVT, BLOCK_)
             else:  # BLOCK consecutive elements per block
                 first = tl.multiple_of(start + tile * TILE_, TILE_)
                 left = tl.minimum(numel - first, TILE_).to(tl.int32)
@@ -632,10 +709,9 @@ if triton is not None:
                 else:
                     emask = pmask
                 _tile(param + first, grad + first, offset + first, block0 + tile * NB, first, pmask, emask, bmask,
-                      lanes, idx, position0, scalars_row, decay_factor, l2, step_size, sqrt_bias_correction2,
-                      reciprocal, special, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      lanes, idx, position0, scalars_row, k0, k1, k2, k3, reciprocal, special, k4, k5, k6, k7,
                       grad_scale_ptr, master_ptr, hi_ptr, lo_ptr, tie_ptr, m_ptr, v_ptr, m_scale_ptr, v_scale_ptr,
-                      P_DTYPE, MASTER, M_KIND, V_KIND, L2, OPTIMIZED, HAS_SCALE, ALIGNED, CVT, BLOCK_)
+                      P_DTYPE, MASTER, M_KIND, V_KIND, RULE, L2, OPTIMIZED, NESTEROV, HAS_SCALE, ALIGNED, CVT, BLOCK_)
 
     @triton.jit
     def _uint8_kernel(x_ptr, code_ptr, scale_ptr, seed_ptr, IS_EXP_AVG: tl.constexpr, ENCODE: tl.constexpr,
@@ -705,10 +781,20 @@ def tensor_table(params: List[Tensor], grads: List[Tensor], sizes: List[int], of
     return table
 
 
+def _check_coefficients(coefficients) -> int:
+    """The number of ``coefficients`` (8: Adam's, 6: SGD's or Lion's); ValueError naming the argument otherwise."""
+    n = len(coefficients)
+    if n not in (6, 8):
+        raise ValueError(f"coefficients must be the 8 of Adam or the 6 of SGD or Lion, got {n}")
+    return n
+
+
 def scalars(coefficients: Tuple[float, ...], step: int, device: torch.device) -> Tensor:
-    """The step's scalars as one int32 tensor: the 8 coefficients' float32 bits, 0, the step mod 2**32
-    (the random bits' seed); on a GPU copied without waiting."""
-    host = torch.tensor(list(coefficients) + [0.0, 0.0], dtype=torch.float32).view(torch.int32)
+    """The step's scalars as one int32 tensor of 10: the coefficients' float32 bits (Adam's 8, or SGD's or
+    Lion's 6 and two zeros: :data:`RULE_COEFFICIENTS`), 0, the step mod 2**32 (the random bits' seed); on
+    a GPU copied without waiting. Raises ValueError for another number of coefficients."""
+    n = _check_coefficients(coefficients)
+    host = torch.tensor(list(coefficients) + [0.0] * (_SCALARS_WIDTH - n), dtype=torch.float32).view(torch.int32)
     seed = int(step) & 0xFFFFFFFF
     host[9] = seed - (1 << 32) if seed >= 1 << 31 else seed
     if device.type == "cpu":
@@ -718,10 +804,14 @@ def scalars(coefficients: Tuple[float, ...], step: int, device: torch.device) ->
 
 def device_scalars(coefficients: Tuple[Tensor, ...], steps: Tensor) -> Tensor:
     """The scalars of :func:`scalars`, one row per tensor, computed on the device (int32 ``[n, 10]``):
-    ``coefficients`` are :func:`halfadam.functional.adam_coefficients` of a 1-D step tensor, ``steps``
-    the steps being taken (float32, one per tensor). No host value is read (capturable)."""
+    ``coefficients`` are the rule's (float32 tensors: :func:`halfadam.functional.adam_coefficients`'
+    8, or SGD's or Lion's 6, padded with zeros) of a 1-D step tensor, ``steps`` the steps being taken
+    (float32, one per tensor). No host value is read (capturable). Raises ValueError for another number
+    of coefficients."""
+    n = _check_coefficients(coefficients)
     columns = [c.reshape(-1).expand(steps.numel()).view(torch.int32) for c in coefficients]
-    columns += [torch.zeros_like(columns[0]), steps.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)]
+    columns += [torch.zeros_like(columns[0])] * (_SCALARS_WIDTH - 1 - n)
+    columns += [steps.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)]
     return torch.stack(columns, 1)
 
 
@@ -729,31 +819,68 @@ def _blocks_per_tile() -> int:
     return INTERPRETED_BLOCKS_PER_TILE if interpreted() else BLOCKS_PER_TILE
 
 
+def _check_rule(rule: int, exp_avg: Optional[torch.dtype], exp_avg_sq: Optional[torch.dtype], l2: bool,
+                nesterov: bool) -> None:
+    """ValueError (naming the argument) for a rule id that is none, or moment slots or flags it does not have."""
+    if rule not in RULE_COEFFICIENTS:
+        raise ValueError(f"rule must be RULE_ADAM (0), RULE_SGD (1) or RULE_LION (2), got {rule!r}")
+    for name, dtype in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if dtype not in _MOMENT_KIND:
+            raise ValueError(f"{name} must be torch.float32, torch.bfloat16, torch.uint8 or None, got {dtype!r}")
+    if rule == RULE_ADAM and (exp_avg is None or exp_avg_sq is None):
+        raise ValueError(f"Adam (rule {RULE_ADAM}) keeps both moments: exp_avg and exp_avg_sq must be dtypes, "
+                         f"got exp_avg={exp_avg}, exp_avg_sq={exp_avg_sq}")
+    if rule != RULE_ADAM and exp_avg_sq is not None:
+        raise ValueError(f"rule {rule} keeps no square moment: exp_avg_sq must be None, got {exp_avg_sq}")
+    if rule == RULE_LION and exp_avg is None:
+        raise ValueError(f"Lion (rule {RULE_LION}) keeps its moment in the exp_avg slot: exp_avg must be a dtype, "
+                         f"got None")
+    if rule == RULE_LION and l2:
+        raise ValueError("Lion (rule 2) has no L2 decay (its decay is decoupled): l2 must be False")
+    if nesterov and rule != RULE_SGD:
+        raise ValueError(f"nesterov is SGD's (rule {RULE_SGD}) flag, not rule {rule}'s: nesterov must be False")
+
+
 def launch(work: Tensor, table: Tensor, scalars_: Tensor, stored: Dict[str, Tensor], *,
-           param_dtype: torch.dtype, grad_dtype: torch.dtype, master: int, exp_avg: torch.dtype,
-           exp_avg_sq: torch.dtype, l2: bool, optimized_update: bool, grad_scale: Optional[Tensor] = None,
-           found_inf: Optional[Tensor] = None) -> None:
+           param_dtype: torch.dtype, grad_dtype: torch.dtype, master: int, exp_avg: Optional[torch.dtype],
+           exp_avg_sq: Optional[torch.dtype], l2: bool, optimized_update: bool = False,
+           grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None, rule: int = RULE_ADAM,
+           nesterov: bool = False) -> None:
     """One launch of the kernel over the programs of ``work`` (see the module docstring).
 
     ``table``: :func:`tensor_table` (its ``rows`` attribute picks the kernel that finds each block's row,
     else its ``aligned`` attribute, when it has one, the one that moves 16 bytes at a time);
     ``scalars_``: :func:`scalars` (one row for every tensor) or :func:`device_scalars` (a row per
-    tensor-table row); ``stored``: the bucket's flat state buffers by
-    key (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`; empty: each
-    tensor's own state tensors are in the table); ``grad_scale``, ``found_inf``: 1-element float32
-    device tensors or ``None``.
+    tensor-table row), with ``rule``'s coefficients; ``stored``: the bucket's flat state buffers by
+    key (:func:`halfadam.encodings.element_keys`, :func:`~halfadam.encodings.block_keys`, the rule's
+    moments under the kernel's slot names: a signed one as ``exp_avg`` (and ``exp_avg_scale``), a square
+    one as ``exp_avg_sq`` (and ``exp_avg_sq_exponent``); empty: each tensor's own state tensors are in
+    the table); ``grad_scale``, ``found_inf``: 1-element float32 device tensors or ``None``.
+
+    ``rule``: :data:`RULE_ADAM` (``exp_avg`` and ``exp_avg_sq`` dtypes; flags ``l2``: decay "l2",
+    ``optimized_update``), :data:`RULE_SGD` (``exp_avg``: the momentum buffer's dtype, ``None`` without
+    momentum; ``exp_avg_sq`` ``None``; flags ``l2``: weight_decay != 0, ``nesterov``) or
+    :data:`RULE_LION` (``exp_avg`` a dtype, ``exp_avg_sq`` ``None``; no flags). A slot whose dtype is
+    ``None`` is neither read nor written. ``optimized_update`` is Adam's (ignored by the others).
+
+    Raises:
+        ValueError: an unknown ``rule``, a moment dtype that is no encoding, moment slots or flags the
+            rule does not have (checked before anything runs).
     """
+    _check_rule(rule, exp_avg, exp_avg_sq, l2, nesterov)
     dummy = scalars_
     get = lambda key: stored.get(key, dummy)  # noqa: E731  (stored empty: the state is in the table)
     rows = bool(table.rows)
     aligned = not rows and bool(getattr(table, "aligned", False)) and all(t.data_ptr() % 16 == 0 for t in stored.values())
-    _adam_kernel[(work.shape[0],)](
+    _step_kernel[(work.shape[0],)](
         work, table, scalars_, dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
         *(get(key) for key in STATE_COLUMNS),  # the kernel's state arguments, in this order
         P_DTYPE=_TL_DTYPES[param_dtype], G_DTYPE=_TL_DTYPES[grad_dtype], MASTER=master,
-        M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], L2=l2, OPTIMIZED=optimized_update,
+        M_KIND=_MOMENT_KIND[exp_avg], V_KIND=_MOMENT_KIND[exp_avg_sq], RULE=rule,
+        L2=bool(l2), OPTIMIZED=bool(optimized_update) and rule == RULE_ADAM,
+        NESTEROV=bool(nesterov) and exp_avg is not None,
         HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        SCALARS_STRIDE=10 if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, ALIGNED=aligned,
+        SCALARS_STRIDE=_SCALARS_WIDTH if scalars_.dim() == 2 else 0, STATE_IN_TABLE=not stored, ALIGNED=aligned,
         ROWS=rows, CVT=not interpreted(),
         NB=_blocks_per_tile(), BLOCK_=BLOCK, CHUNK_=CHUNK, num_warps=NUM_WARPS, enable_fp_fusion=False)
 
