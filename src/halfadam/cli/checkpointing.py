@@ -143,6 +143,7 @@ def _check_resumed_options(cfg: TrainConfig, path: Path, entries: dict) -> None:
     if not isinstance(saved, dict) or not isinstance(entries.get("history"), dict) or "rng" not in entries:
         raise CLIError(f"--resume {path}: a halfadam checkpoint, but not one written by halfadam train --save")
     ours = _run_identity(cfg)
+    saved = {"optimizer": "adamw", **saved}  # written before --optimizer: AdamW's
     longer = isinstance(saved.get("steps"), int) and cfg.steps > saved["steps"]
     free = _EXTEND_FREE if longer else ()
     diff = sorted(k for k in set(ours) | set(saved) if k not in free and saved.get(k) != ours.get(k))

@@ -19,16 +19,18 @@ from typing import TYPE_CHECKING
 from .args import resolve_device
 from .errors import CLIError
 from .modes import PEER_MODES
+from .optimizers import defaults as optimizer_defaults
 
 if TYPE_CHECKING:
     import torch
 
 TASKS = ("char-lm", "digits")
 
-#: Per-task defaults for options left unset on the command line.
+#: Per-task defaults for options left unset on the command line (``lr``: AdamW's; ``--optimizer sgd`` and
+#: ``lion`` take theirs, and their weight decay, from :func:`halfadam.cli.optimizers.defaults`).
 TASK_DEFAULTS = {
-    "char-lm": {"steps": 800, "lr": 3e-4, "batch_size": 16},
-    "digits": {"steps": 300, "lr": 1e-3, "batch_size": 64},
+    "char-lm": {"steps": 800, "lr": optimizer_defaults("adamw", "char-lm")["lr"], "batch_size": 16},
+    "digits": {"steps": 300, "lr": optimizer_defaults("adamw", "digits")["lr"], "batch_size": 64},
 }
 
 
@@ -61,12 +63,21 @@ class TrainConfig:
     peers: bool = False
     dist: str = "ddp"
     offload: str | None = None
+    optimizer: str = "adamw"  # the update rule (halfadam.cli.optimizers.ALGORITHMS)
+    momentum: float | None = None  # SGD's momentum (None for AdamW and Lion)
 
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]:
     """Fill task defaults into the parsed options and validate what argparse cannot."""
     defaults = TASK_DEFAULTS[args.task]
     steps = args.steps or defaults["steps"]
+    algorithm = getattr(args, "optimizer", "adamw")
+    hyper = optimizer_defaults(algorithm, args.task)
+    momentum = getattr(args, "momentum", None)
+    if momentum is not None and algorithm != "sgd":
+        raise CLIError(f"--momentum is SGD's: it needs --optimizer sgd, not --optimizer {algorithm}")
+    if algorithm != "adamw" and (getattr(args, "peers", False) or any(m.name in PEER_MODES for m in args.modes)):
+        raise CLIError(f"the peer modes are AdamWs: they run with --optimizer adamw, not --optimizer {algorithm}")
     if args.task == "char-lm" and args.d_model % args.heads:
         raise CLIError(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.text is not None and args.task != "char-lm":
@@ -90,10 +101,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         modes=[m.name for m in args.modes],
         steps=steps,
         batch_size=args.batch_size or defaults["batch_size"],
-        lr=args.lr or defaults["lr"],
+        lr=args.lr or hyper["lr"],
         lr_schedule=args.lr_schedule,
         warmup_steps=warmup if args.lr_schedule == "cosine" else 0,
-        weight_decay=args.weight_decay,
+        weight_decay=hyper["weight_decay"] if args.weight_decay is None else args.weight_decay,
         seed=args.seed,
         device=str(device),
         out=args.out or str(Path("runs") / args.task),
@@ -110,6 +121,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, torch.device]
         peers=getattr(args, "peers", False),
         dist=dist,
         offload=offload,
+        optimizer=algorithm,
+        momentum=(hyper["momentum"] if momentum is None else momentum) if algorithm == "sgd" else None,
     )
     if cfg.dist == "fsdp" and (cfg.peers or any(name in PEER_MODES for name in cfg.modes)):
         raise CLIError("--dist fsdp runs without the peer modes: they run under --dist ddp")

@@ -3,15 +3,19 @@
 Besides :data:`MODES` (the default), ``--modes`` accepts the name of every peer of
 :mod:`halfadam.cli.peers` whose package is installed (``--peers`` adds them all), and names that stand
 for exactly one mode (:func:`resolve_mode_name`: ``tiny``, ``compact``, ``bfloat16-halfadam``).
+
+Every mode of :data:`MODES` is written for AdamW; :meth:`Mode.with_algorithm` is the same mode for
+``--optimizer sgd`` or ``lion`` (:mod:`halfadam.cli.optimizers`: which optimizer each mode then builds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import halfadam
 
+from .optimizers import ALGORITHMS, build
 from .peers import PEERS, Peer, installed
 
 if TYPE_CHECKING:
@@ -22,15 +26,26 @@ __all__ = ["DTYPE_ALIASES", "MODES", "Mode", "STATE_MODES", "get_mode", "parse_m
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to train: the parameter dtype, which AdamW, and whether a loss scaler is used."""
+    """One way to train: the parameter dtype, which optimizer, and whether a loss scaler is used.
+
+    ``optimizer`` is the kind: ``"torch"`` (the fp32 reference, or naive on half parameters: torch's optimizer
+    of the rule, or for Lion, which torch lacks, the reference Lion of :mod:`halfadam.cli.optimizers`),
+    ``"halfadam"`` (halfadam's optimizer of the rule) or ``"peer"``; ``algorithm`` the update rule.
+    """
 
     name: str
     dtype: str  # the parameters' dtype as torch names it ("bfloat16"; torch is imported on use), or a torch.dtype
-    optimizer: str  # "torch" (torch.optim.AdamW), "halfadam" (halfadam.AdamW) or "peer" (``peer``'s)
+    optimizer: str  # "torch" (the reference or naive), "halfadam" (halfadam.AdamW/SGD/Lion) or "peer" (``peer``'s)
     loss_scaler: str | None  # None or "halfadam" (halfadam.GradScaler)
     description: str
     state_mode: str = "fp32"  # halfadam's state_mode (halfadam.encodings.PRESETS)
     peer: Peer | None = None
+    algorithm: str = "adamw"  # the update rule: a key of halfadam.cli.optimizers.ALGORITHMS
+
+    @property
+    def _dtype_name(self) -> str:
+        """``float32``, ``bfloat16``, ...: the parameters' dtype as torch names it (torch is not imported)."""
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -46,17 +61,35 @@ class Mode:
         """The optimizer class, e.g. ``halfadam.AdamW``."""
         if self.peer is not None:
             return self.peer.source
-        return "halfadam.AdamW" if self.optimizer == "halfadam" else "torch.optim.AdamW"
+        algorithm = ALGORITHMS[self.algorithm]
+        if self.optimizer == "halfadam":
+            return algorithm.halfadam
+        return algorithm.reference if self._dtype_name == "float32" else algorithm.naive
 
-    def make_optimizer(self, param_groups, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """Build this mode's optimizer over ``param_groups`` (same hyperparameters for every mode)."""
-        import torch
+    def with_algorithm(self, algorithm: str) -> Mode:
+        """This mode for the update rule ``algorithm`` (``adamw``: itself): the same dtype, kind, loss scaler
+        and state mode, with that rule's optimizer (:mod:`halfadam.cli.optimizers`) and a description naming it.
+        ``ValueError`` for an unknown rule, or a peer mode given another rule than AdamW (the peers are AdamWs)."""
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        if algorithm == self.algorithm:
+            return self
+        if self.peer is not None:
+            raise ValueError(f"mode {self.name} is an AdamW ({self.peer.source}): it runs with --optimizer adamw only")
+        return replace(self, algorithm=algorithm, description=_description(self, ALGORITHMS[algorithm]))
 
+    def make_optimizer(self, param_groups, *, lr: float, weight_decay: float,
+                       momentum: float | None = None) -> torch.optim.Optimizer:
+        """Build this mode's optimizer over ``param_groups`` (same hyperparameters for every mode);
+        ``momentum``: SGD's (``None`` for AdamW and Lion)."""
         if self.peer is not None:
             return self.peer.build(param_groups, lr=lr, weight_decay=weight_decay)
         if self.optimizer == "halfadam":
-            return halfadam.AdamW(param_groups, lr=lr, weight_decay=weight_decay, state_mode=self.state_mode)
-        return torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay)
+            kind = "halfadam"
+        else:
+            kind = "reference" if self._dtype_name == "float32" else "naive"
+        return build(self.algorithm, kind, param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                     state_mode=self.state_mode)
 
     def make_scaler(self, device: torch.device):
         """This mode's loss scaler, or ``None``."""
@@ -112,6 +145,23 @@ _MODE_LIST = [
     ),
 ]
 
+
+def _description(mode: Mode, algorithm) -> str:
+    """``mode``'s description for the rule ``algorithm`` (an :class:`~halfadam.cli.optimizers.Algorithm`)."""
+    dtype = mode._dtype_name
+    if mode.optimizer == "halfadam":
+        state = "fp32 master weights and state" if mode.state_mode == "fp32" else f"state_mode={mode.state_mode!r}"
+        scaler = " + halfadam.GradScaler" if mode.loss_scaler else ""
+        return f"{algorithm.halfadam} ({state}){scaler} on {dtype} parameters"
+    if dtype == "float32":
+        note = f"; {algorithm.reference_note}" if algorithm.reference_note else ""
+        return f"{algorithm.reference} on float32 parameters (the reference{note})"
+    naive = ("the reference Lion's update in float32, rounded into the weight, no master"
+             if algorithm.name == "lion" else "no master weights")
+    scaler = ", no loss scaling" if dtype == "float16" else ""
+    return f"{algorithm.naive} on {dtype} parameters ({naive}{scaler})"
+
+
 #: All modes by name, in their canonical order (the default for ``--modes``).
 MODES: dict[str, Mode] = {m.name: m for m in _MODE_LIST}
 
@@ -122,9 +172,9 @@ PEER_MODES: dict[str, Mode] = {
 }
 
 
-def get_mode(name: str) -> Mode:
-    """The mode or peer mode called ``name``."""
-    return MODES[name] if name in MODES else PEER_MODES[name]
+def get_mode(name: str, algorithm: str = "adamw") -> Mode:
+    """The mode or peer mode called ``name``, for the update rule ``algorithm`` (:meth:`Mode.with_algorithm`)."""
+    return (MODES[name] if name in MODES else PEER_MODES[name]).with_algorithm(algorithm)
 
 
 #: The state modes of ``halfadam.AdamW(state_mode=...)``: the names of :data:`halfadam.encodings.PRESETS`

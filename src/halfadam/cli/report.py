@@ -11,8 +11,10 @@ import torch
 
 from .config import TrainConfig
 from .models import relative_distance
+from .optimizers import ALGORITHMS
 
-__all__ = ["compare_with_fp32", "format_table", "memory_lines", "plot_losses", "print_header", "write_metrics"]
+__all__ = ["compare_with_fp32", "format_table", "memory_lines", "optimizer_line", "plot_losses", "plot_title",
+           "print_header", "table_title", "write_metrics"]
 
 
 def print_header(cfg: TrainConfig, device: torch.device, world: int, data_line: str, model_line: str, n_params: int,
@@ -37,8 +39,9 @@ def print_header(cfg: TrainConfig, device: torch.device, world: int, data_line: 
     elif cfg.dist == "fsdp":
         print("  --dist fsdp in one process: nothing is sharded (start N processes with --nproc N or torchrun); "
               "checkpoints are DCP directories all the same")
-    print(f"  train: {cfg.steps} steps x {cfg.batch_size}, AdamW lr {cfg.lr:g} ({sched}), "
-          f"weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
+    momentum = f", momentum {cfg.momentum:g}" if cfg.momentum is not None else ""
+    print(f"  train: {cfg.steps} steps x {cfg.batch_size}, {ALGORITHMS[cfg.optimizer].title} lr {cfg.lr:g} ({sched})"
+          f"{momentum}, weight decay {cfg.weight_decay:g}, seed {cfg.seed}; modes: {', '.join(cfg.modes)}", flush=True)
     for line in skipped:
         print(f"  {line}", flush=True)
     if fresh:
@@ -100,8 +103,27 @@ def _num(value, fmt: str) -> str:
     return format(value, fmt)
 
 
-def format_table(results: dict[str, dict]) -> str:
-    """A plain-text table with one row per mode, followed by a legend of the columns."""
+def optimizer_line(cfg: TrainConfig) -> str:
+    """The rule and its hyperparameters: ``SGD (lr 0.02, momentum 0.9, weight decay 0.0001)``."""
+    momentum = f", momentum {cfg.momentum:g}" if cfg.momentum is not None else ""
+    return f"{ALGORITHMS[cfg.optimizer].title} (lr {cfg.lr:g}{momentum}, weight decay {cfg.weight_decay:g})"
+
+
+def table_title(cfg: TrainConfig) -> str:
+    """The line above the table: the rule and which optimizer the fp32, naive and halfadam modes ran."""
+    a = ALGORITHMS[cfg.optimizer]
+    note = f" ({a.reference_note})" if a.reference_note else ""
+    return f"optimizer: {optimizer_line(cfg)}; fp32: {a.reference}{note}; naive: {a.naive}; halfadam: {a.halfadam}"
+
+
+def plot_title(cfg: TrainConfig, model_line: str) -> str:
+    """The loss plot's title: the task, the rule and the model."""
+    return f"halfadam train: {cfg.task}, {optimizer_line(cfg)}\n{model_line}"
+
+
+def format_table(results: dict[str, dict], title: str | None = None) -> str:
+    """A plain-text table with one row per mode, followed by a legend of the columns; ``title`` (the rule,
+    :func:`table_title`), where given, on a line above it."""
     header = ["mode", "train loss", "val loss", "val vs fp32", "dist to fp32", "state B/param", "ms/step"]
     rows = []
     for name, m in results.items():
@@ -124,7 +146,7 @@ def format_table(results: dict[str, dict]) -> str:
     def line(cells):
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    out = [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+    out = [*([title] if title else []), line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
     for name, m in results.items():
         if m["diverged_at_step"] is not None:
             why = f" ({m['divergence_note']})" if m.get("divergence_note") else ""
@@ -200,14 +222,15 @@ _FONTS = {"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 11, "figure.
 
 
 def _kind(name: str, m: dict) -> str:
-    """``"fp32"`` (the reference), ``"halfadam"``, ``"naive"`` (torch.optim.AdamW on half parameters) or
-    ``"peer"``: from the mode's ``optimizer`` entry, or from its name where that is missing."""
+    """``"fp32"`` (the reference), ``"halfadam"``, ``"naive"`` (the rule's optimizer on half parameters without
+    a master: torch.optim.AdamW, torch.optim.SGD, the naive Lion) or ``"peer"``: from the mode's ``optimizer``
+    entry, or from its name where that is missing."""
     optimizer = m.get("optimizer") or ""
     if name == "fp32":
         return "fp32"
-    if optimizer == "halfadam.AdamW" or (not optimizer and "halfadam" in name):
+    if optimizer in {a.halfadam for a in ALGORITHMS.values()} or (not optimizer and "halfadam" in name):
         return "halfadam"
-    if optimizer == "torch.optim.AdamW" or (not optimizer and "naive" in name):
+    if optimizer in {a.naive for a in ALGORITHMS.values()} or (not optimizer and "naive" in name):
         return "naive"
     return "peer"
 

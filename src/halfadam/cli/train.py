@@ -19,6 +19,12 @@ Choices worth knowing when reading the numbers:
   (fp32 master weight, ``exp_avg`` and ``exp_avg_sq``). A tensor subclass counts as the tensors it
   holds (torchao's 8-bit state: codes, scales, code table), and a tensor shared between parameters
   (bitsandbytes' code tables) once.
+* ``--optimizer sgd`` or ``lion`` trains every mode with that rule instead of AdamW
+  (:mod:`halfadam.cli.optimizers`): the fp32 mode with ``torch.optim.SGD`` or ``halfadam.Lion`` on float32
+  parameters (torch has no Lion; there it keeps no master and is the paper's update to float32 rounding),
+  the naive modes the same on half parameters (Lion: :mod:`halfadam.cli.naive_lion`, the update in float32
+  rounded into the weight, no master), the halfadam modes ``halfadam.SGD``/``halfadam.Lion`` in their
+  state modes; each rule has its own default ``--lr`` and ``--weight-decay`` (SGD ``--momentum`` too).
 * ``--peers`` adds the optimizers a user would pick instead of halfadam (:mod:`halfadam.cli.peers`:
   optimi with Kahan summation, torchao's bf16 stochastic-rounding and 8-bit AdamW, bitsandbytes'
   8-bit AdamW), each only if its package is installed, as more modes of the same run.
@@ -41,7 +47,8 @@ Choices worth knowing when reading the numbers:
 This module is the command's entry: its options (:func:`add_arguments`) and :func:`run`. The rest lives
 beside it: :mod:`.config` (the resolved options, the task's data and model), :mod:`.loop` (the training
 of one mode), :mod:`.checkpointing` (``--save``/``--resume``), :mod:`.launch` (``--nproc``) and
-:mod:`.report` (what is printed and written).
+:mod:`.report` (what is printed and written), :mod:`.optimizers` (``--optimizer``'s rules, their defaults and the
+optimizer each mode builds) and :mod:`.naive_lion` (the naive modes' Lion).
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ from .config import TASK_DEFAULTS, TASKS, TrainConfig, build_task, resolve_confi
 from .errors import CLIError
 from .launch import _launch, _write_failure
 from .modes import MODES, PEER_MODES, Mode, get_mode, parse_modes
+from .optimizers import ALGORITHMS
+from .optimizers import defaults as optimizer_defaults
 from .peers import select as select_peers
 
 if TYPE_CHECKING:
@@ -96,8 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``halfadam train``'s options on ``parser``."""
     parser.description = (
         "Train one model from one initialisation on the same batches in several precision modes "
-        "and compare each with the float32 reference. Modes: "
+        "and compare each with the float32 reference. Modes (--optimizer adamw): "
         + "; ".join(f"{m.name}: {m.description}" for m in MODES.values())
+        + ". --optimizer sgd and lion train the same modes with their own optimizers: "
+        + "; ".join(f"{a.name}: fp32 {a.reference}, naive {a.naive}, halfadam {a.halfadam}"
+                    for a in ALGORITHMS.values() if a.name != "adamw")
         + "."
     )
     parser.add_argument("--task", choices=TASKS, default="char-lm",
@@ -122,14 +134,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"the checkpoint's extends its run")
     parser.add_argument("--batch-size", type=positive_int,
                         help=f"sequences/examples per step ({per_task('batch_size')})")
-    parser.add_argument("--lr", type=positive_float, help=f"(peak) learning rate ({per_task('lr')})")
+    def per_optimizer(key: str) -> str:
+        return "; ".join(f"{name}: " + ", ".join(f"{task} {optimizer_defaults(name, task)[key]:g}" for task in TASKS)
+                         for name in ALGORITHMS)
+
+    parser.add_argument("--optimizer", choices=tuple(ALGORITHMS), default="adamw",
+                        help="the update rule every mode trains with (default adamw): adamw, sgd (with momentum) "
+                             "or lion. The fp32 mode runs torch.optim.AdamW / torch.optim.SGD / halfadam.Lion "
+                             "(torch has no Lion: on float32 parameters it keeps no master and is the paper's "
+                             "update to float32 rounding); the naive modes the same on half parameters (Lion: "
+                             "halfadam.cli.naive_lion, the update in float32 rounded into the weight, no master); "
+                             "the halfadam modes halfadam.AdamW / SGD / Lion in their state modes")
+    parser.add_argument("--lr", type=positive_float, help=f"(peak) learning rate (default: {per_optimizer('lr')})")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="constant (default), or linear warm-up then cosine decay to 0 "
                              "(halfadam.schedules.CosineWithWarmUpLR)")
     parser.add_argument("--warmup-steps", type=nonnegative_int,
                         help="warm-up steps for --lr-schedule cosine (default: 10%% of --steps)")
-    parser.add_argument("--weight-decay", type=nonnegative_float, default=0.0,
-                        help="decoupled weight decay on weight matrices and embeddings (default 0)")
+    parser.add_argument("--weight-decay", type=nonnegative_float,
+                        help="weight decay on weight matrices and embeddings: decoupled for adamw and lion, "
+                             "torch.optim.SGD's L2 term (added to the gradient) for sgd (default: "
+                             f"{per_optimizer('weight_decay')})")
+    parser.add_argument("--momentum", type=nonnegative_float,
+                        help=f"SGD's momentum, with --optimizer sgd only (default {optimizer_defaults('sgd', TASKS[0])['momentum']:g};"
+                             f" 0 keeps no momentum buffer)")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="seed for the initialisation and the batch order (default 0)")
     parser.add_argument("--device", default="cpu",
@@ -326,7 +354,8 @@ def _run(cfg: TrainConfig, device: torch.device, out: Path, rank: int, world: in
         if lead:
             report.print_header(cfg, device, world, data_line, model_line,
                                 sum(p.numel() for p in base_model.parameters()), skipped, fresh)
-        if device.type == "cpu" and any(get_mode(name).optimizer == "halfadam" for name in cfg.modes):
+        if device.type == "cpu" and (cfg.optimizer == "lion" or any(get_mode(name).optimizer == "halfadam"
+                                                                      for name in cfg.modes)):
             from halfadam.kernels import cpp
 
             cpp.load()  # a first build takes a minute or two and says so on a line of its own, before the bars
@@ -350,8 +379,8 @@ def _train_and_report(cfg: TrainConfig, device: torch.device, out: Path, rank: i
     weights: dict[str, tuple] = {}
     started = time.perf_counter()
     for name in cfg.modes:
-        results[name], weights[name] = this.train_mode(get_mode(name), base_model, dataset, plan, cfg, device, rank,
-                                                       world, save=this._save_mode)
+        results[name], weights[name] = this.train_mode(get_mode(name, cfg.optimizer), base_model, dataset, plan, cfg,
+                                                       device, rank, world, save=this._save_mode)
     if rank != 0:
         return 0
 
@@ -368,12 +397,12 @@ def _train_and_report(cfg: TrainConfig, device: torch.device, out: Path, rank: i
         "modes": results,
     }
     print()
-    print(report.format_table(results))
+    print(report.format_table(results, title=report.table_title(cfg)))
     for line in report.memory_lines(results):
         print(line)
     try:
         metrics_path = report.write_metrics(summary, out / "metrics.json")
-        plot_path = report.plot_losses(results, out / "loss.png", title=f"halfadam train: {cfg.task}, {model_line}")
+        plot_path = report.plot_losses(results, out / "loss.png", title=report.plot_title(cfg, model_line))
     except OSError as exc:
         raise CLIError(f"cannot write results to {out}: {exc.strerror or exc}") from None
     print(f"\nwrote {metrics_path}\nwrote {plot_path}")
