@@ -222,3 +222,15 @@ def test_a_group_without_momentum_beside_one_with_it_steps_as_torch():
         theirs.step()
     assert torch.allclose(b.detach(), torch.full((3,), 0.8)) and torch.equal(b.detach(), d.detach())
     assert torch.equal(a.detach(), c.detach())
+
+
+def test_a_groups_nesterov_without_momentum_is_refused_at_construction():
+    """torch checks nesterov against the defaults only; halfadam checks every group when it is built or added,
+    naming it, so a migrated script fails at once rather than at its first step."""
+    p, q = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match=r"param_groups\[1\].*nesterov"):
+        halfadam.SGD([{"params": [p]}, {"params": [q], "nesterov": True, "momentum": 0}], lr=0.1, momentum=0.9)
+    opt = halfadam.SGD([p], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"param_groups\[1\].*nesterov"):
+        opt.add_param_group({"params": [q], "nesterov": True, "dampening": 0.5})
+    assert len(opt.param_groups) == 1

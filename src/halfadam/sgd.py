@@ -135,7 +135,7 @@ class SGD(_Engine):
     Raises:
         TypeError/ValueError: as :class:`halfadam.AdamW` for ``params``, ``lr``, ``weight_decay`` and the
             state mode; ``momentum``/``dampening`` negative, nan or inf; ``nesterov`` without momentum or
-            with dampening; ``differentiable=True``; at a step, a group's ``momentum`` set > 0 in an
+            with dampening (in any group: torch checks only the defaults, and ignores a group's nesterov there); ``differentiable=True``; at a step, a group's ``momentum`` set > 0 in an
             optimizer built without a momentum buffer.
     """
 
@@ -168,6 +168,8 @@ class SGD(_Engine):
         super().__init__(params, lr=lr, learning_rate=learning_rate, weight_decay=weight_decay, options=options,
                          master_weights=master_weights, implementation=implementation, state_mode=state_mode,
                          store_param_remainders=store_param_remainders, capturable=capturable)
+        for i, group in enumerate(self.param_groups):  # a group's nesterov without momentum: refused now, not at a step
+            _check_nesterov(group, f"param_groups[{i}]")
 
     def _rule_for(self, groups: List[Dict[str, Any]]) -> Rule:
         return SGD_MOMENTUM if any(g.get("momentum") for g in groups) else SGD_PLAIN
@@ -184,9 +186,12 @@ class SGD(_Engine):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As :meth:`halfadam.AdamW.add_param_group`; ValueError for a group with momentum where this
         optimizer keeps no momentum buffer (nothing added)."""
-        if isinstance(param_group, dict) and param_group.get("momentum") and not self.rule.moments:
-            raise ValueError(f"param_groups[{len(self.param_groups)}]['momentum'] is {param_group['momentum']}, but "
-                             f"this SGD was built with momentum 0 and keeps no momentum_buffer")
+        where = f"param_groups[{len(self.param_groups)}]"
+        if isinstance(param_group, dict):
+            if param_group.get("momentum") and not self.rule.moments:
+                raise ValueError(f"{where}['momentum'] is {param_group['momentum']}, but this SGD was built with "
+                                 f"momentum 0 and keeps no momentum_buffer")
+            _check_nesterov({**self.defaults, **param_group}, where)
         super().add_param_group(param_group)
 
 
