@@ -135,7 +135,8 @@ class SGD(_Engine):
     Raises:
         TypeError/ValueError: as :class:`halfadam.AdamW` for ``params``, ``lr``, ``weight_decay`` and the
             state mode; ``momentum``/``dampening`` negative, nan or inf; ``nesterov`` without momentum or
-            with dampening (in any group: torch checks only the defaults, and ignores a group's nesterov there); ``differentiable=True``; at a step, a group's ``momentum`` set > 0 in an
+            with dampening, in any group (torch checks only the defaults, and ignores a group's nesterov
+            without momentum); ``differentiable=True``; at a step, a group's ``momentum`` set > 0 in an
             optimizer built without a momentum buffer.
     """
 
