@@ -149,7 +149,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -836,6 +836,11 @@ def has_remainder(state: Dict[str, Tensor]) -> bool:
     """Whether ``state``'s master is a remainder over the parameter (a split or split8 master), so it
     means a master only over the parameter's values in the dtype it was written for."""
     return "master_hi" in state
+
+
+def present_element_keys(state: Dict) -> List[str]:
+    """The per-element keys (:data:`ELEMENT_KEYS`, in its order) that a state holds."""
+    return [k for k in ELEMENT_KEYS if k in state]
 
 
 def is_block_key(key: str) -> bool:

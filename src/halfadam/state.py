@@ -87,8 +87,7 @@ class ParamStates:
         if encodings.is_labelled(state) or foreign(param, state):  # adopt() takes it in first
             return False
         expected = self.element_dtypes(param, group)
-        present = [k for k in encodings.ELEMENT_KEYS if k in state]
-        return sorted(present) == sorted(expected) and all(
+        return sorted(encodings.present_element_keys(state)) == sorted(expected) and all(
             state[k].dtype == dt and state[k].device == param.device for k, dt in expected.items())
 
     def place(self, param: Tensor, group: Dict[str, Any]) -> str:
@@ -266,7 +265,7 @@ class ParamStates:
                 continue  # none, made for an old shape, or written into a form no rule reads: its next use raises
             self.adopt(p, state, group)
             if not self.fits(p, state, group) or (id(p) not in layout.where and any(
-                    _is_view(state[k]) for k in encodings.ELEMENT_KEYS if k in state)):
+                    _is_view(state[k]) for k in encodings.present_element_keys(state))):
                 self.conform(p, state, group)  # new tensors: nothing keeps an old bucket alive
             loc = layout.where.get(id(p))
             if loc is not None:

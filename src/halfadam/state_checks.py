@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -22,8 +22,19 @@ from torch import Tensor
 from . import encodings
 from ._dtensor import is_dtensor, like_param, like_rows, local
 
-if TYPE_CHECKING:  # the methods' owner; state imports this module
-    from .state import ParamStates
+
+class States(Protocol):
+    """What these functions read of their owner, :class:`halfadam.state.ParamStates` (which imports this
+    module: a protocol here, so that the import goes one way)."""
+
+    state: Dict[Tensor, dict]
+    owner: Any  # the optimizer (its param_groups)
+    state_format: encodings.StateFormat
+
+    def place(self, param: Tensor, group: Dict[str, Any]) -> str: ...
+    def stale_shape(self, param: Tensor) -> Optional[Tuple[int, ...]]: ...
+    def check_state(self, param: Tensor, group: Dict[str, Any]) -> None: ...
+    def check_shared(self) -> None: ...
 
 __all__ = ["REMAINDER_DTYPE", "adopt", "check_shared", "check_state", "foreign", "readable", "stale_shape"]
 
@@ -35,7 +46,7 @@ __all__ = ["REMAINDER_DTYPE", "adopt", "check_shared", "check_state", "foreign",
 REMAINDER_DTYPE = "remainder_dtype"
 
 
-def check_state(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> None:
+def check_state(states: States, param: Tensor, group: Dict[str, Any]) -> None:
     """ValueError naming ``param`` (its place) where its state cannot be stepped as it is; nothing changes.
 
     Its state was made for another shape (:func:`stale_shape`): the parameter was resized since, and
@@ -62,7 +73,8 @@ def check_state(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> 
         state = encodings.unlabelled(state, where())
     _check_keys(state, where, states.state_format.moments)
     made = states.stale_shape(param)
-    if made is not None and not any(_param_shaped(state[k], param) for k in _element_keys(state)):  # resized
+    if made is not None and not any(_param_shaped(state[k], param)
+                                    for k in encodings.present_element_keys(state)):  # resized
         states.check_shared()  # or another parameter's state dict, put here (state[p1] = state[p2])
         raise ValueError(
             f"{where()} has shape {tuple(param.shape)}, but its optimizer state (moments, master) "
@@ -76,7 +88,7 @@ def check_state(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> 
                          f"number >= 0 (the steps taken), got {step!r}")
 
 
-def check_shared(states: "ParamStates") -> None:
+def check_shared(states: States) -> None:
     """ValueError naming two parameters whose state is one dict (``opt.state[p1] = opt.state[p2]``):
     a step would update it with both parameters' gradients."""
     seen: Dict[int, Tuple[Tensor, Dict[str, Any]]] = {}
@@ -93,7 +105,7 @@ def check_shared(states: "ParamStates") -> None:
                     f"to restart its state")
 
 
-def adopt(states: "ParamStates", param: Tensor, state: dict, group: Dict[str, Any]) -> None:
+def adopt(states: States, param: Tensor, state: dict, group: Dict[str, Any]) -> None:
     """Take what a load or the user put into ``state`` into the optimizer's own form, values kept
     (:func:`check_state` has passed them): the step count of a labelled state_dict entry put there
     as it is (``ZeroRedundancyOptimizer.load_state_dict`` does) back in ``step``
@@ -127,18 +139,14 @@ def adopt(states: "ParamStates", param: Tensor, state: dict, group: Dict[str, An
                     like_param(v, param)
 
 
-def stale_shape(states: "ParamStates", param: Tensor) -> Optional[Tuple[int, ...]]:
+def stale_shape(states: States, param: Tensor) -> Optional[Tuple[int, ...]]:
     """The shape ``param``'s state was made for, when it is not ``param``'s own (it was resized
     since: ``p.data = torch.randn(...)`` of a new size between steps); else ``None``."""
     state = states.state.get(param)
-    first = next(iter(_element_keys(state)), None) if state else None
+    first = next(iter(encodings.present_element_keys(state)), None) if state else None
     t = state[first] if first else None
     return None if not isinstance(t, Tensor) or _param_shaped(t, param) else tuple(t.shape)
 
-
-def _element_keys(state: dict) -> List[str]:
-    """The per-element keys ``state`` holds, in :data:`halfadam.encodings.ELEMENT_KEYS` order."""
-    return [k for k in encodings.ELEMENT_KEYS if k in state]
 
 
 def foreign(param: Tensor, state: dict) -> bool:
@@ -152,7 +160,7 @@ def foreign(param: Tensor, state: dict) -> bool:
         for k, v in state.items())
 
 
-def readable(states: "ParamStates", param: Tensor, group: Dict[str, Any]) -> bool:
+def readable(states: States, param: Tensor, group: Dict[str, Any]) -> bool:
     """Whether ``param``'s state passes :func:`check_state` (a rebuild leaves one that does not as it is,
     outside the buckets, for the step that reads it to refuse by name; a load replaces it)."""
     try:
