@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import types
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -55,46 +54,28 @@ __all__ = ["Hyperparameters", "IMPLEMENTATIONS", "reference_step", "flat_step", 
 IMPLEMENTATIONS = ("auto", "triton", "cpp", "fused", "foreach", "reference")
 
 
-@dataclass(frozen=True, init=False)
 class Hyperparameters:
     """A parameter group's hyperparameters resolved for the current step (plain Python numbers): ``lr``,
-    ``weight_decay``, the update ``rule`` (:class:`halfadam.functional.Rule`, Adam's by default) and the
-    rule's own ``options`` (Adam: ``beta1``, ``beta2``, ``eps``, ``decay``, ``optimized_update``),
-    readable as attributes (``hp.beta1``)."""
+    ``weight_decay``, the update ``rule`` (:class:`halfadam.functional.Rule`, Adam's by default), the
+    rule's own ``options`` (Adam: ``beta1``, ``beta2``, ``eps``, ``decay``, ``optimized_update``) and
+    the kernels' ``flags`` they make (``rule.flags``, computed once)."""
 
-    lr: float
-    weight_decay: float
-    rule: Rule
-    options: Tuple[Tuple[str, object], ...]
+    __slots__ = ("lr", "weight_decay", "rule", "options", "flags")
 
     def __init__(self, lr: float, weight_decay: float = 0.0, rule: Rule = ADAM, **options: object) -> None:
-        object.__setattr__(self, "lr", lr)
-        object.__setattr__(self, "weight_decay", weight_decay)
-        object.__setattr__(self, "rule", rule)
-        object.__setattr__(self, "options", tuple(sorted(options.items())))
-
-    def __getattr__(self, name: str) -> object:
-        for key, value in object.__getattribute__(self, "options"):
-            if key == name:
-                return value
-        raise AttributeError(name)
-
-    @property
-    def flags(self) -> Tuple[bool, bool]:
-        """The rule's two kernel flags for these values (:attr:`halfadam.functional.Rule.flags`)."""
-        return self.rule.flags(dict(self.options))
+        self.lr, self.weight_decay, self.rule, self.options = lr, weight_decay, rule, options
+        self.flags: Tuple[bool, bool] = rule.flags(options)
 
     def coefficients(self, step, lr=None, weight_decay=None) -> tuple:
         """The rule's coefficients of these values at ``step`` (a number, or a tensor of steps for
         per-parameter coefficients on the device; ``lr``/``weight_decay`` given as tensors make
         tensors of every coefficient)."""
         return self.rule.coefficients(step, self.lr if lr is None else lr,
-                                      self.weight_decay if weight_decay is None else weight_decay,
-                                      **dict(self.options))
+                                      self.weight_decay if weight_decay is None else weight_decay, **self.options)
 
     def for_check(self) -> "Hyperparameters":
         """The values the self-check steps the kernels with: the same rule and flags."""
-        return Hyperparameters(1e-3, 0.1, self.rule, **self.rule.check_options(dict(self.options)))
+        return Hyperparameters(1e-3, 0.1, self.rule, **self.rule.check_options(self.options))
 
 
 def reference_step(pairs: List[Tuple[Tensor, Tensor]], state: Dict[Tensor, dict], hp: Hyperparameters,

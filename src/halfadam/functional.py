@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["DECAY_MODES", "Rule", "ADAM", "adam_update_", "adam_coefficients", "adam_elementwise_", "sync_master_",
-           "written"]
+           "written", "coefficient_operands", "as_coefficients", "select"]
 
 #: Accepted values of ``decay``: how weight decay enters the update (see the module docstring).
 DECAY_MODES = ("decoupled", "absolute", "l2")
@@ -131,14 +131,7 @@ def adam_coefficients(
     """
     if decay not in DECAY_MODES:
         raise ValueError(f"decay must be one of {DECAY_MODES}, got {decay!r}")
-    tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
-    if tensors:
-        device = tensors[0].device
-        step, lr, weight_decay = (x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor) else float(x)
-                                  for x in (step, lr, weight_decay))
-        zero = torch.zeros(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=torch.float64, device=device)
-    else:
-        zero = 0.0
+    step, lr, weight_decay, zero = coefficient_operands(step, lr, weight_decay)
     if decay == "l2":
         decay_factor, l2 = zero + 1, zero + weight_decay
     elif decay == "decoupled":
@@ -153,10 +146,38 @@ def adam_coefficients(
     else:
         step_size = lr / bias_correction1
         sqrt_bias_correction2 = _sqrt(bias_correction2)
-    out = (decay_factor, l2, step_size, sqrt_bias_correction2, 1 - beta1, beta2, 1 - beta2, eps)
-    if tensors:
-        return tuple((zero + x).float() for x in out)
-    return tuple(float(x) for x in out)
+    return as_coefficients((decay_factor, l2, step_size, sqrt_bias_correction2, 1 - beta1, beta2, 1 - beta2, eps),
+                           zero)
+
+
+def coefficient_operands(step: Scalar, lr: Scalar, weight_decay: Scalar) -> Tuple[Scalar, Scalar, Scalar, Scalar]:
+    """A rule's coefficients' operands, ``(step, lr, weight_decay, zero)``: with a tensor among them (0-d,
+    or 1-D for one value per parameter), the tensors in float64 on the first one's device, the numbers as
+    floats, and ``zero`` a float64 zero tensor of their broadcast shape; else they as they are and ``zero``
+    0.0. Every rule computes its coefficients from these in float64, then :func:`as_coefficients`."""
+    tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
+    if not tensors:
+        return step, lr, weight_decay, 0.0
+    device = tensors[0].device
+    step, lr, weight_decay = (x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor) else float(x)
+                              for x in (step, lr, weight_decay))
+    zero = torch.zeros(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=torch.float64, device=device)
+    return step, lr, weight_decay, zero
+
+
+def as_coefficients(values: Tuple[Scalar, ...], zero: Scalar) -> Tuple[Scalar, ...]:
+    """``values`` as a step's coefficients: float32 tensors of ``zero``'s shape where it is a tensor (what a
+    Python scalar becomes inside a float32 kernel: both forms agree to float32 rounding), else Python floats."""
+    if isinstance(zero, Tensor):
+        return tuple((zero + x).float() for x in values)
+    return tuple(float(x) for x in values)
+
+
+def select(condition: Union[bool, Tensor], yes: float, no: float) -> Scalar:
+    """``yes`` where ``condition`` holds, else ``no``: :func:`torch.where` for a tensor condition."""
+    if isinstance(condition, Tensor):
+        return torch.where(condition, yes, no)
+    return yes if condition else no
 
 
 def adam_elementwise_(
@@ -222,6 +243,8 @@ class Rule:
             ``"l2"``, ``optimized_update``; SGD: weight decay on, nesterov; Lion: none).
         check_options: hyperparameters the self-check steps the kernels with, given a step's options
             (the same flags).
+        flag_names: what each flag means when it is on, for messages (Adam: ``("decay l2",
+            "optimized_update")``).
     """
 
     name: str
@@ -231,11 +254,11 @@ class Rule:
     elementwise: Callable[[Tensor, Tensor, List[Tensor], Tuple[Scalar, ...], Tuple[bool, bool]], None]
     flags: Callable[[dict], Tuple[bool, bool]]
     check_options: Callable[[dict], dict]
+    flag_names: Tuple[str, ...] = ()
 
     def describe(self, flags: Tuple[bool, bool]) -> str:
-        """The rule and its kernel flags, for messages."""
-        names = {"adam": ("decay l2", "optimized_update"), "sgd": ("weight decay", "nesterov")}.get(self.name, ())
-        return ", ".join([self.name] + [n for n, f in zip(names, flags) if f])
+        """The rule and its kernel flags that are on, for messages (``"sgd, nesterov"``)."""
+        return ", ".join([self.name] + [n for n, f in zip(self.flag_names, flags) if f])
 
 
 def _adam_coefficients(step: Scalar, lr: Scalar, weight_decay: Scalar, **options: Any) -> Tuple[Scalar, ...]:
@@ -254,7 +277,8 @@ ADAM = Rule(
     coefficients=_adam_coefficients, elementwise=_adam_elementwise,
     flags=lambda o: (o["decay"] == "l2", bool(o["optimized_update"])),
     check_options=lambda o: dict(beta1=0.9, beta2=0.999, eps=1e-8, decay=o["decay"],
-                                 optimized_update=o["optimized_update"]))
+                                 optimized_update=o["optimized_update"]),
+    flag_names=("decay l2", "optimized_update"))
 
 
 def sync_master_(master: Tensor, param: Tensor) -> None:

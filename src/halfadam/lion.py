@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
-from .functional import Rule, Scalar
+from .functional import Rule, Scalar, as_coefficients, coefficient_operands
 from .optimizer import _Engine
 
 __all__ = ["Lion"]
@@ -34,15 +34,8 @@ def lion_coefficients(step: Scalar, lr: Scalar, weight_decay: Scalar, *, beta1: 
     """Every scalar of one Lion step, in the order :func:`lion_elementwise_` and the kernels take them:
     ``decay_factor`` (``1 - lr * wd``), ``lr``, ``beta1``, ``1 - beta1``, ``beta2``, ``1 - beta2``. Python
     floats from numbers; float32 tensors when ``step``, ``lr`` or ``weight_decay`` is a tensor (float64 first)."""
-    tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
-    if not tensors:
-        return (1.0 - lr * weight_decay, float(lr), beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    device = tensors[0].device
-    lr, weight_decay = (x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor) else float(x)
-                        for x in (lr, weight_decay))
-    zero = torch.zeros(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=torch.float64, device=device)
-    out = (1 - lr * weight_decay, lr, beta1, 1 - beta1, beta2, 1 - beta2)
-    return tuple((zero + x).float() for x in out)
+    step, lr, weight_decay, zero = coefficient_operands(step, lr, weight_decay)
+    return as_coefficients((1 - lr * weight_decay, lr, beta1, 1 - beta1, beta2, 1 - beta2), zero)
 
 
 def lion_elementwise_(weight: Tensor, grad: Tensor, moments: List[Tensor], coefficients: Tuple[Scalar, ...],

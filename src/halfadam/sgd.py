@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import hyperparams
-from .functional import Rule, Scalar
+from .functional import Rule, Scalar, as_coefficients, coefficient_operands, select
 from .optimizer import _Engine
 from .param_groups import check_torch_flags
 
@@ -41,21 +41,10 @@ def sgd_coefficients(step: Scalar, lr: Scalar, weight_decay: Scalar, *, momentum
     coefficient. Python floats from numbers; float32 tensors of the broadcast shape when
     ``step``, ``lr`` or ``weight_decay`` is a tensor (computed in float64 first, as
     :func:`halfadam.functional.adam_coefficients`)."""
-    sign = -1.0 if maximize else 1.0
-    tensors = [x for x in (step, lr, weight_decay) if isinstance(x, Tensor)]
-    if not tensors:
-        first = step <= 1 or momentum == 0  # no momentum: the buffer is the gradient (torch keeps none)
-        return (float(weight_decay), 0.0 if first else float(momentum), 1.0 if first else 1.0 - dampening,
-                float(momentum), float(lr), sign)
-    device = tensors[0].device
-    step, lr, weight_decay = (x.to(device=device, dtype=torch.float64) if isinstance(x, Tensor)
-                              else torch.tensor(float(x), dtype=torch.float64, device=device)
-                              for x in (step, lr, weight_decay))
-    zero = torch.zeros(torch.broadcast_shapes(*(t.shape for t in tensors)), dtype=torch.float64, device=device)
-    first = (step <= 1) | (momentum == 0)
-    out = (weight_decay, torch.where(first, 0.0, momentum), torch.where(first, 1.0, 1.0 - dampening),
-           zero + momentum, lr, zero + sign)
-    return tuple((zero + x).float() for x in out)
+    step, lr, weight_decay, zero = coefficient_operands(step, lr, weight_decay)
+    first = (step <= 1) | (momentum == 0)  # no momentum: the buffer is the gradient (torch keeps none)
+    return as_coefficients((weight_decay, select(first, 0.0, momentum), select(first, 1.0, 1.0 - dampening), momentum,
+                            lr, -1.0 if maximize else 1.0), zero)
 
 
 def sgd_elementwise_(weight: Tensor, grad: Tensor, moments: List[Tensor], coefficients: Tuple[Scalar, ...],
@@ -86,7 +75,8 @@ def _check_options(options: Dict[str, Any]) -> Dict[str, Any]:
 def _rule(momentum: bool) -> Rule:
     return Rule(name="sgd", kernel=1, moments=(("momentum_buffer", "signed"),) if momentum else (),
                 coefficients=sgd_coefficients, elementwise=sgd_elementwise_,
-                flags=lambda o: (o["weight_decay_on"], o["nesterov"]), check_options=_check_options)
+                flags=lambda o: (o["weight_decay_on"], o["nesterov"]), check_options=_check_options,
+                flag_names=("weight decay", "nesterov"))
 
 
 #: SGD with a momentum buffer, and without one (every group's momentum 0: a master only).
