@@ -180,7 +180,7 @@ _CHILD = textwrap.dedent("""
     elif point == "manifest written":  # the new checkpoint whole, not yet swapped in
         _dcp_io.swap_in = pause(_dcp_io.swap_in)
     elif point == "swapped":          # the new checkpoint in place, the old one not yet removed
-        _dcp_io._remove_tree = pause(_dcp_io._remove_tree)
+        _dcp_io._remove_entry = pause(_dcp_io._remove_entry)
     model, opt = make("compact", seed=5)
     train(model, opt, seed=5)
     hd.save_checkpoint(path, model, opt, extra={"step": 5})

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._tempfiles import (_killed_saves, _make_parents, _recover, _remove_dead_temporaries, _remove_entry,
+from ._tempfiles import (_COMPLETE, _killed_saves, _make_parents, _recover, _remove_dead_temporaries, _remove_entry,
                          _sync_directory, _writer_tag)
 from .state_dict import CheckpointError
 
@@ -62,8 +62,7 @@ __all__ = ["MANIFEST", "ChecksummedWriter", "ChecksummedReader", "SafeLoadPlanne
            "load_object", "new_sibling", "check_present", "swap_in"]
 
 #: The manifest's file name inside the checkpoint directory.
-MANIFEST = "halfadam.sha256"
-_METADATA = ".metadata"
+MANIFEST, _METADATA = _COMPLETE  # a complete checkpoint's two files (their names stated in _tempfiles)
 
 
 def open_inside(directory: Any, path: Any) -> BinaryIO:
@@ -443,11 +442,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove the directory ``path``, its manifest first (cut short, it is no complete checkpoint)."""
-    _remove_entry(path)
-
-
 def swap_in(tmp: Path, path: Path) -> None:
     """Make the complete checkpoint directory ``tmp`` (of :func:`new_sibling`) the one at ``path``,
     then remove the old one.
@@ -467,7 +461,7 @@ def swap_in(tmp: Path, path: Path) -> None:
         old = None
     elif not _exchange(tmp, path):
         old = path.with_name(f".{path.name}.old{_writer_tag()}.tmp")
-        _remove_tree(old)
+        _remove_entry(old)
         os.rename(path, old)
         try:
             os.rename(tmp, path)
@@ -476,7 +470,7 @@ def swap_in(tmp: Path, path: Path) -> None:
             raise
     _sync_directory(path.parent)
     if old is not None:
-        _remove_tree(old)
+        _remove_entry(old)
 
 
 class ChecksummedWriter(FileSystemWriter):

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import encodings
-from ._tempfiles import _make_parents, _remove_dead_temporaries, _writer_tag
+from ._tempfiles import _make_parents, _remove_dead_temporaries, _sync_directory, _writer_tag
 from ._tempfiles import _TMP_NAME, _process_start, _writer_scope  # noqa: F401  (tests/test_checkpoint.py)
 from .distributed import halfadam_optimizer
 from .state_dict import (CheckpointError, _commit_load, _prepare_load, _where, load_optimizer_state_dict,
@@ -340,16 +340,7 @@ def save_checkpoint(path: PathLike, **objects: Any) -> Path:
         if isinstance(exc, OSError):
             raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    _sync_directory(path.parent)
     return path
 
 

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ._dtensor import is_dtensor, local, localize  # noqa: F401  (public here: halfadam.distributed.local...)
 from .optimizer import _Engine
-from .state_dict import CheckpointError
+from .state_dict import CheckpointError, _rule_keys
 
 __all__ = [
     "AUTO",
@@ -393,7 +393,7 @@ def _layout_of(optimizer: Any, checkpoint_id: Any, saved_keys: Any, key: str, st
         return opt
     # the same class, rule and groups (their rule keys: SGD's momentum decides its moments), built by the
     # engine's constructor, whose arguments every rule's class shares
-    keys = tuple(dict.fromkeys((*opt._parsers, *opt._required)))
+    keys = _rule_keys(opt)
     groups = [{"params": g["params"], "master_weights": g["master_weights"], **{k: g[k] for k in keys if k in g}}
               for g in opt.param_groups]
     layout = type(opt).__new__(type(opt))
@@ -563,7 +563,7 @@ def save_checkpoint(checkpoint_id: Any, model: torch.nn.Module, optimizer: Any, 
         tmp = None
     finally:
         if lead and tmp is not None:
-            _dcp_io._remove_tree(tmp)
+            _dcp_io._remove_entry(tmp)
 
 
 def _from_rank0(fn: Any, *args: Any) -> Any:

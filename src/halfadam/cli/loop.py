@@ -202,8 +202,8 @@ class _ModeRun:
         if self.sharded:  # before the optimizer: its parameters are the DTensors
             _fully_shard(model, device, world, cfg.offload)
         self.model = model
-        momentum = {} if cfg.momentum is None else {"momentum": cfg.momentum}  # SGD's (a Mode of old takes none)
-        self.optimizer = mode.make_optimizer(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay, **momentum)
+        self.optimizer = mode.make_optimizer(param_groups(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                             momentum=cfg.momentum)
         self.scaler = mode.make_scaler(device)
         self.schedule = _lr_schedule(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())

@@ -61,10 +61,15 @@ class Mode:
         """The optimizer class, e.g. ``halfadam.AdamW``."""
         if self.peer is not None:
             return self.peer.source
-        algorithm = ALGORITHMS[self.algorithm]
+        return getattr(ALGORITHMS[self.algorithm], self._kind)
+
+    @property
+    def _kind(self) -> str:
+        """Which of its rule's optimizers this mode runs: ``"halfadam"``, ``"reference"`` (torch's, float32)
+        or ``"naive"`` (torch's, half parameters)."""
         if self.optimizer == "halfadam":
-            return algorithm.halfadam
-        return algorithm.reference if self._dtype_name == "float32" else algorithm.naive
+            return "halfadam"
+        return "reference" if self._dtype_name == "float32" else "naive"
 
     def with_algorithm(self, algorithm: str) -> Mode:
         """This mode for the update rule ``algorithm`` (``adamw``: itself): the same dtype, kind, loss scaler
@@ -84,11 +89,7 @@ class Mode:
         ``momentum``: SGD's (``None`` for AdamW and Lion)."""
         if self.peer is not None:
             return self.peer.build(param_groups, lr=lr, weight_decay=weight_decay)
-        if self.optimizer == "halfadam":
-            kind = "halfadam"
-        else:
-            kind = "reference" if self._dtype_name == "float32" else "naive"
-        return build(self.algorithm, kind, param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        return build(self.algorithm, self._kind, param_groups, lr=lr, weight_decay=weight_decay, momentum=momentum,
                      state_mode=self.state_mode)
 
     def make_scaler(self, device: torch.device):
