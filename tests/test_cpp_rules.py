@@ -23,7 +23,8 @@ import torch
 from halfadam import encodings as E
 from halfadam.functional import sync_master_
 from conftest import same_bits
-from test_cpp_split8 import _differences, _grads
+from test_cpp_rows import _layout as _rows_layout
+from test_cpp_split8 import _assert_same_runs, _differences, _grads
 from test_cpp_uint8 import _kernel, _kernel_and_one_thread  # noqa: F401 (the module's fixture)
 
 LANES = (16, 8, 1)
@@ -345,20 +346,10 @@ SHAPES = [(5, 200), (7, 9), (0, 7), (4, 3, 3, 3), (33, 129), (3, 256), (2, 130),
 
 
 def _layout(shapes):
-    """Per-element offsets (multiples of 128, a free block after every third parameter), per-block offsets
-    (the parameters' blocks in reverse order with gaps of 3), row lengths, positions (a shard's row for
-    some), and the two buffers' lengths."""
-    numels = [math.prod(s) for s in shapes]
-    lengths = [E.row_length(s) for s in shapes]
-    counts = [n // length * -(-length // 128) if n else 0 for n, length in zip(numels, lengths)]
-    offsets, total = [], 0
-    for k, n in enumerate(numels):
-        offsets.append(total)
-        total += -(-n // 128) * 128 + (128 if k % 3 == 2 else 0)
-    block_offsets, blocks = [0] * len(shapes), 3
-    for k in reversed(range(len(shapes))):
-        block_offsets[k] = blocks
-        blocks += counts[k] + 3
+    """tests/test_cpp_rows.py's layout (offsets with a free block after every third parameter, per-block
+    offsets in reverse order with gaps of 3, row lengths, the two buffers' lengths), with positions (a
+    shard's row for every third parameter but the first)."""
+    offsets, block_offsets, lengths, _, total, blocks = _rows_layout(shapes)
     positions = [(k % 3) * lengths[k] for k in range(len(shapes))]
     return offsets, block_offsets, lengths, positions, total, blocks
 
@@ -562,16 +553,6 @@ def _train(implementation, name, dtype, mode, steps=4, **extra):
             grads[params[4]][299] = math.nan
         opt.step(grads=grads, grad_scale=torch.tensor([0.5]) if t == 3 else None)
     return params, opt
-
-
-def _assert_same_runs(run_a, run_b, what):
-    (pa, oa), (pb, ob) = run_a, run_b
-    for p, q in zip(pa, pb):
-        assert same_bits(p, q), (what, tuple(p.shape), "param", _differences(p, q))
-        sa, sb = oa.state[p], ob.state[q]
-        assert sa.keys() == sb.keys(), (what, tuple(p.shape))
-        for key in sa:
-            assert same_bits(sa[key], sb[key]), (what, tuple(p.shape), key, _differences(sa[key], sb[key]))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
